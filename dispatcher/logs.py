@@ -1,0 +1,64 @@
+"""Logging for every gpulane process: ``text`` for people, ``json`` for machines.
+
+Log calls pass context as ``extra`` (``worker``, ``task``, ``class``, ``type``,
+``elapsed_s``...); both formats print it, so one line per task transition carries the
+task id, class, type, worker and elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["configure_logging"]
+
+# Attributes every LogRecord has; anything else on a record came from `extra`.
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",  # uvicorn's ANSI copy of the message
+}
+
+
+def _context(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD}
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        moment = datetime.fromtimestamp(record.created, UTC).strftime("%H:%M:%S.%f")[:-3]
+        pairs = " ".join(f"{k}={v}" for k, v in _context(record).items())
+        line = f"{moment} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        if pairs:
+            line += f"  [{pairs}]"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            **_context(record),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("uvicorn.access", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -1,0 +1,102 @@
+-- Helpers shared by every gpulane script. The loader (dispatcher/scripts.py) prepends
+-- the key builders K.* generated from dispatcher/keys.py, then this file, then the
+-- script itself. All times come from Redis' clock so hosts with skewed clocks agree.
+
+local FINAL = {finished = true, failed = true, canceled = true, stopped = true}
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- RQ's timestamp format (2026-12-02T17:08:53.123000Z), from epoch milliseconds.
+local function iso(ms)
+  local secs = math.floor(ms / 1000)
+  local days = math.floor(secs / 86400)
+  local rem = secs - days * 86400
+  local z = days + 719468 -- days-to-civil, H. Hinnant
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local day = doy - math.floor((153 * mp + 2) / 5) + 1
+  local month = mp < 10 and mp + 3 or mp - 9
+  local year = yoe + era * 400 + (month <= 2 and 1 or 0)
+  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%06dZ', year, month, day,
+    math.floor(rem / 3600), math.floor(rem % 3600 / 60), rem % 60, (ms % 1000) * 1000)
+end
+
+-- Ring the doorbell of one worker parked on this class. It leaves every idle set, so
+-- a second task does not wake the same worker while another one sits idle.
+local function wake(cls, classes)
+  local w = redis.call('SPOP', K.idle(cls))
+  if w then
+    for _, c in ipairs(classes) do
+      if c ~= cls then redis.call('SREM', K.idle(c), w) end
+    end
+    redis.call('LPUSH', K.wake(w), '1')
+  end
+  return w
+end
+
+-- Write a final status once: the record expires after ttl, the upload goes at once.
+local function finalize(id, status, now, ttl, extra)
+  local jk = K.job(id)
+  redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, unpack(extra))
+  redis.call('EXPIRE', jk, ttl)
+  redis.call('DEL', K.file(id))
+end
+
+-- Put a task back in its class queue, as if never started: at the head (it was
+-- taken before the others) or, for a retry after an error, at the tail.
+local function requeue(id, cls, classes, extra, at_head)
+  redis.call('HSET', K.job(id), 'status', 'queued', 'worker_name', '', 'started_ms', '',
+    'started_at', '', 'device', '', 'progress', '', unpack(extra))
+  redis.call(at_head and 'LPUSH' or 'RPUSH', K.queue(cls), id)
+  wake(cls, classes)
+end
+
+-- The worker holding task `id` died: requeue it, or fail it once its attempts are spent.
+-- Returns 'requeued', 'failed', 'canceled' or 'gone'.
+local function lose(id, cls, w, now, o)
+  local jk = K.job(id)
+  local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel')
+  if not f[1] or FINAL[f[1]] then return 'gone' end
+  local lost = (tonumber(f[2]) or 0) + 1
+  local history = f[4] and cjson.decode(f[4]) or {}
+  history[#history + 1] = {worker = w, attempt = tonumber(f[3]) or 0, outcome = 'worker_lost',
+    at = iso(now)}
+  local hist = cjson.encode(history)
+  if f[5] == '1' then
+    finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
+      cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})})
+    return 'canceled'
+  end
+  if lost >= o.max_attempts then
+    finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error', cjson.encode({
+      code = 'worker_lost',
+      message = 'The worker running this task died ' .. lost .. ' times; giving up.',
+      attempts = history})})
+    return 'failed'
+  end
+  requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)
+  return 'requeued'
+end
+
+-- Forget worker `w` and give back what it held. Returns {"id|class|outcome", ...}.
+local function reap_worker(w, now, o)
+  local out = {}
+  for _, c in ipairs(o.classes) do
+    local ik = K.inflight(w, c)
+    for _, id in ipairs(redis.call('LRANGE', ik, 0, -1)) do
+      out[#out + 1] = id .. '|' .. c .. '|' .. lose(id, c, w, now, o)
+    end
+    redis.call('DEL', ik)
+    redis.call('SREM', K.idle(c), w)
+  end
+  redis.call('DEL', K.worker(w), K.wake(w), K.control(w))
+  redis.call('ZREM', K.WORKERS, w)
+  return out
+end

@@ -1,0 +1,33 @@
+-- A worker's periodic report: renew its lease, publish what it is and does, fold in
+-- the metrics and run-time samples gathered since the last beat, and collect the
+-- cancel requests addressed to it.
+-- ARGV[1]: {worker, ttl_ms, tau_s, info {field: string}, counters {field: int},
+--           floats {field: number}, runs {class: [sum_run_s, count]}}
+-- Returns {renewed (0: the lease had been reaped), {task ids to cancel}}.
+local o = cjson.decode(ARGV[1])
+local now = now_ms()
+local added = redis.call('ZADD', K.WORKERS, now + o.ttl_ms, o.worker)
+
+local info = {'last_heartbeat_ms', now}
+for k, v in pairs(o.info) do info[#info + 1] = k; info[#info + 1] = v end
+redis.call('HSET', K.worker(o.worker), unpack(info))
+
+for field, n in pairs(o.counters) do redis.call('HINCRBY', K.METRICS, field, n) end
+for field, x in pairs(o.floats) do redis.call('HINCRBYFLOAT', K.METRICS, field, x) end
+
+-- Run time per class as an exponentially decayed mean (time constant tau_s): the
+-- weights decay with time, not with the number of reports, so many workers reporting
+-- at once weigh their samples fairly and the mean follows a change of task sizes
+-- within a minute.
+for cls, s in pairs(o.runs) do
+  local sk = K.stats(cls)
+  local cur = redis.call('HMGET', sk, 'sum', 'weight', 'at_ms')
+  local decay = 1
+  if cur[3] then decay = math.exp(-math.max(now - tonumber(cur[3]), 0) / 1000 / o.tau_s) end
+  redis.call('HSET', sk, 'sum', (tonumber(cur[1]) or 0) * decay + s[1],
+    'weight', (tonumber(cur[2]) or 0) * decay + s[2], 'at_ms', now)
+end
+
+local cancels = redis.call('LRANGE', K.control(o.worker), 0, -1)
+if #cancels > 0 then redis.call('DEL', K.control(o.worker)) end
+return {1 - added, cancels}

@@ -1,0 +1,18 @@
+-- A worker starts: refuse a name a live worker holds, give back what an earlier
+-- process of the same name left in flight, then publish the worker, its task types
+-- (the catalog the API validates submissions against) and RQ's queue index.
+-- ARGV[1]: {worker, ttl_ms, ttl_s, max_attempts, classes (all configured),
+--           info {field: string}, catalog {type: json}}
+-- Returns {'ok', {"id|class|outcome", ...}} | {'name_in_use'}.
+local o = cjson.decode(ARGV[1])
+local now = now_ms()
+local deadline = redis.call('ZSCORE', K.WORKERS, o.worker)
+if deadline and tonumber(deadline) > now then return {'name_in_use'} end
+local recovered = reap_worker(o.worker, now, o)
+for _, c in ipairs(o.classes) do redis.call('SADD', K.RQ_QUEUES, K.queue(c)) end
+for task_type, spec in pairs(o.catalog) do redis.call('HSET', K.CATALOG, task_type, spec) end
+local info = {'last_heartbeat_ms', now}
+for k, v in pairs(o.info) do info[#info + 1] = k; info[#info + 1] = v end
+redis.call('HSET', K.worker(o.worker), unpack(info))
+redis.call('ZADD', K.WORKERS, now + o.ttl_ms, o.worker)
+return {'ok', recovered}

@@ -1,0 +1,38 @@
+-- Admit a task and enqueue it, or refuse it, in one atomic step (invariant 5): N
+-- concurrent submits against max_queued = M accept exactly M.
+-- ARGV[1]: options (JSON, see dispatcher/store.py), ARGV[2]: the RQ call data,
+-- ARGV[3]: the uploaded file's bytes ('' when there is none).
+-- Returns {'accepted', id, depth_before, est_ms} | {'duplicate', id, status, class, type}
+--       | {'no_workers'|'queue_full', '', depth, est_ms}. est_ms = -1: cannot estimate.
+local o = cjson.decode(ARGV[1])
+
+if o.idem ~= '' then
+  local existing = redis.call('GET', K.idem(o.tenant, o.idem))
+  if existing then
+    local f = redis.call('HMGET', K.job(existing), 'status', 'origin', 'type')
+    if f[1] then return {'duplicate', existing, f[1], f[2], f[3]} end
+  end
+end
+
+local depth = redis.call('LLEN', K.queue(o.class))
+local est_ms = -1
+if o.workers > 0 then est_ms = math.ceil((depth + 1) * o.run_s * 1000 / o.workers) end
+
+if o.workers == 0 and o.reject_without_workers then
+  return {'no_workers', '', depth, est_ms}
+end
+if depth >= o.max_queued or (est_ms >= 0 and est_ms > o.max_wait_s * 1000) then
+  return {'queue_full', '', depth, est_ms}
+end
+
+local now = now_ms()
+local ts = iso(now)
+redis.call('HSET', K.job(o.id), 'data', ARGV[2], 'origin', o.class, 'status', 'queued',
+  'created_at', ts, 'enqueued_at', ts, 'created_ms', now, 'description', o.type,
+  'timeout', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
+  'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0')
+redis.call('RPUSH', K.queue(o.class), o.id)
+if ARGV[3] ~= '' then redis.call('SET', K.file(o.id), ARGV[3]) end
+if o.idem ~= '' then redis.call('SET', K.idem(o.tenant, o.idem), o.id, 'EX', o.idem_ttl_s) end
+wake(o.class, o.classes)
+return {'accepted', o.id, depth, est_ms}

@@ -1,0 +1,104 @@
+"""Pool-wide metrics, aggregated in Redis so any API replica exports the whole pool.
+
+Processes record into a local :class:`Recorder` (no Redis command per task) and fold
+what they gathered into the ``gpulane:metrics`` hash once per heartbeat with
+``HINCRBY``/``HINCRBYFLOAT``, so a counter costs nothing on the task path and the
+export lags by at most one heartbeat. Hash fields::
+
+    c|<counter>|<label values...>          counter value
+    h|<histogram>|<label values...>|<le>   observations in the bucket ending at le
+    s|<histogram>|<label values...>        sum of observations
+
+Label values never contain ``|``: classes and task types are validated names.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+__all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "Drained", "Recorder"]
+
+# Seconds; GPU work spans milliseconds (a cached inference) to an hour (a long batch).
+BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, float("inf"),
+)  # fmt: skip
+_LE = tuple("+Inf" if b == float("inf") else repr(b) for b in BUCKETS)
+
+# Prometheus name -> label names; the short key is what the hash fields use.
+COUNTERS = {
+    "submitted": ("gpulane_tasks_submitted_total", ("class", "type")),
+    "rejected": ("gpulane_tasks_rejected_total", ("class", "reason")),
+    "finished": ("gpulane_tasks_finished_total", ("class", "type", "status")),
+    "requeued": ("gpulane_tasks_requeued_total", ("class", "reason")),
+}
+HISTOGRAMS = {
+    "queue_wait": ("gpulane_queue_wait_seconds", ("class",)),
+    "run": ("gpulane_task_run_seconds", ("class", "type")),
+    "latency": ("gpulane_task_latency_seconds", ("class",)),
+}
+
+
+@dataclass
+class Drained:
+    """What a recorder gathered since the last flush, ready for heartbeat.lua."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    floats: dict[str, float] = field(default_factory=dict)
+    runs: dict[str, list[float]] = field(default_factory=dict)  # class -> [sum_s, n]
+
+    def __bool__(self) -> bool:
+        return bool(self.counters or self.floats or self.runs)
+
+
+class Recorder:
+    """Thread-safe local accumulator; the task thread records, the heartbeat drains."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._floats: defaultdict[str, float] = defaultdict(float)
+        self._runs: dict[str, list[float]] = {}
+
+    def count(self, name: str, *labels: str, n: int = 1) -> None:
+        assert name in COUNTERS, name
+        with self._lock:
+            self._counters["|".join(("c", name, *labels))] += n
+
+    def observe(self, name: str, seconds: float, *labels: str) -> None:
+        assert name in HISTOGRAMS, name
+        seconds = max(seconds, 0.0)
+        le = _LE[bisect.bisect_left(BUCKETS, seconds)]
+        base = "|".join((name, *labels))
+        with self._lock:
+            self._counters[f"h|{base}|{le}"] += 1
+            self._floats[f"s|{base}"] += seconds
+
+    def run_sample(self, cls: str, seconds: float) -> None:
+        """A task of ``cls`` ran this long: feeds the wait estimates."""
+        with self._lock:
+            total = self._runs.setdefault(cls, [0.0, 0.0])
+            total[0] += seconds
+            total[1] += 1
+
+    def drain(self) -> Drained:
+        with self._lock:
+            out = Drained(dict(self._counters), dict(self._floats), self._runs)
+            self._counters.clear()
+            self._floats.clear()
+            self._runs = {}
+        return out
+
+    def restore(self, drained: Drained) -> None:
+        """Put back what a failed flush took, so an outage loses no counts."""
+        with self._lock:
+            self._counters.update(drained.counters)
+            for key, value in drained.floats.items():
+                self._floats[key] += value
+            for cls, (total, n) in drained.runs.items():
+                cur = self._runs.setdefault(cls, [0.0, 0.0])
+                cur[0] += total
+                cur[1] += n

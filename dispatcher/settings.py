@@ -1,0 +1,216 @@
+"""gpulane's one settings object.
+
+Read once at process start by :func:`load_settings` and passed down; no other module
+reads the environment. Sources, strongest first:
+
+1. values given in code (the CLI's flags),
+2. environment variables prefixed ``GPULANE_`` (``GPULANE_REDIS_URL``, ``GPULANE_PORT``,
+   nested values as JSON: ``GPULANE_CLASSES='{"batch": {"max_queued": 10}}'``),
+3. the TOML file named by ``GPULANE_CONFIG`` (any field below, plus the ``[classes.*]``
+   tables and ``[[tenants]]``),
+4. the defaults here.
+
+An unknown key anywhere in the file is an error, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = ["ClassConfig", "Settings", "SettingsError", "TenantConfig", "load_settings"]
+
+_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+MiB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class ClassConfig(BaseModel):
+    """Admission limits and defaults of one task class (a Redis queue)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_queued: int = Field(1000, ge=1, description="Refuse (503 queue_full) past this depth.")
+    max_wait_s: float = Field(
+        3600.0, gt=0, description="Refuse when the estimated wait of a new task exceeds this."
+    )
+    reject_without_workers: bool = Field(
+        False, description="Refuse (503 no_workers) when no live worker serves the class."
+    )
+    default_timeout_s: float | None = Field(
+        None, gt=0, description="Run-time limit of a task that names none; global default if unset."
+    )
+
+
+class TenantConfig(BaseModel):
+    """One API client: who it is, how its key is checked and what it may use."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    key_sha256: list[str] = Field(description="Hex SHA-256 of each accepted bearer key.")
+    rate: float = Field(20.0, gt=0, description="Requests per second (token bucket refill).")
+    burst: int = Field(40, ge=1)
+    max_in_flight: int = Field(100, ge=1, description="Queued plus running tasks at once.")
+    classes: list[str] | None = Field(None, description="Classes it may submit to; all if unset.")
+    admin: bool = False
+
+    @field_validator("key_sha256", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex(cls, value: list[str]) -> list[str]:
+        for digest in value:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError("key_sha256 must be 64 lowercase hex digits")
+        return value
+
+
+def _default_classes() -> dict[str, ClassConfig]:
+    return {
+        "interactive": ClassConfig(max_queued=200, max_wait_s=30, reject_without_workers=True),
+        "batch": ClassConfig(max_queued=10_000, max_wait_s=3600),
+    }
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "gpulane"
+
+
+class Settings(BaseSettings):
+    """Every tunable of gpulane. Field names map to ``GPULANE_<NAME>`` variables."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="GPULANE_", extra="forbid", frozen=True, validate_default=True
+    )
+
+    # Where things are.
+    redis_url: str | None = Field(
+        None, description="Shared Redis. Unset: `gpulane up` starts a private one."
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    api_url: str | None = Field(None, description="Where `gpulane submit/status` find the API.")
+    api_key: str | None = Field(None, description="Bearer key `gpulane submit/status` send.")
+
+    # Classes (priority order = table order) and tenants.
+    classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
+    default_class: str = Field("batch", description="Class of a submission that names none.")
+    tenants: list[TenantConfig] = Field(default_factory=list)
+
+    # Input limits.
+    max_body_bytes: int = Field(1 * MiB, ge=1024, description="JSON request body limit.")
+    max_file_bytes: int = Field(32 * MiB, ge=1024, description="Uploaded document limit.")
+    max_result_bytes: int = Field(16 * MiB, ge=1024, description="A task's JSON result limit.")
+    default_file_task: str = "document.extract"
+
+    # Task lifetime.
+    default_timeout_s: float = Field(600.0, gt=0)
+    max_timeout_s: float = Field(3600.0, gt=0)
+    result_ttl_s: int = Field(86_400, ge=1, description="How long final records are kept.")
+    idempotency_ttl_s: int = Field(86_400, ge=1)
+    default_run_s: float = Field(
+        1.0, gt=0, description="Run-time guess for wait estimates before any task finished."
+    )
+
+    # Liveness.
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    lease_ttl_s: float = Field(3.0, gt=0)
+    max_attempts: int = Field(3, ge=1, description="Lost attempts before a task fails.")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long a running task may finish before it is handed back."
+    )
+    timeout_grace_s: float = Field(
+        10.0, ge=0, description="How long past its timeout a task that ignores the interrupt may run before its worker exits."
+    )
+
+    # Worker pool (`gpulane up`).
+    cpu_workers: int = Field(2, ge=1, description="Workers `up --workers auto` starts with no GPU.")
+
+    # Logs.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("classes")
+    @classmethod
+    def _class_names(cls, value: dict[str, ClassConfig]) -> dict[str, ClassConfig]:
+        if not value:
+            raise ValueError("at least one class is needed")
+        for name in value:
+            if not _NAME.match(name):
+                raise ValueError(f"class name {name!r} must match {_NAME.pattern}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.lease_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError("lease_ttl_s must be longer than heartbeat_interval_s")
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError("default_timeout_s must not exceed max_timeout_s")
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not a configured class")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenant names must be unique")
+        for tenant in self.tenants:
+            unknown = set(tenant.classes or ()) - set(self.classes)
+            if unknown:
+                raise ValueError(f"tenant {tenant.name!r} names unknown classes {sorted(unknown)}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config = os.environ.get("GPULANE_CONFIG")
+        if config:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config)))
+        return tuple(sources)
+
+    # Derived values used in several places.
+    @property
+    def redis_url_or_default(self) -> str:
+        return self.redis_url or "redis://127.0.0.1:6379/0"
+
+    @property
+    def class_names(self) -> list[str]:
+        """Classes in priority order, highest first."""
+        return list(self.classes)
+
+    def class_timeout_s(self, name: str) -> float:
+        return self.classes[name].default_timeout_s or self.default_timeout_s
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings once; raise :class:`SettingsError` with a readable message."""
+    config = os.environ.get("GPULANE_CONFIG")
+    if config and not Path(config).is_file():
+        raise SettingsError(f"GPULANE_CONFIG names {config!r}, which is not a readable file")
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:  # pydantic.ValidationError and TOML decode errors
+        raise SettingsError(f"invalid gpulane settings: {exc}") from exc
