@@ -1,0 +1,148 @@
+"""A worker's Redis operations, each one call of a Lua script (or one command).
+
+The broker holds no state about tasks; the loop and the heartbeat own that. Redis
+errors propagate: the loops that call these methods decide how to wait and retry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from dispatcher import keys
+from dispatcher.metrics import Drained
+from dispatcher.reaper import Reaped, lease_options, parse_reaped, reap_options
+from dispatcher.scripts import SyncScripts, options
+from dispatcher.settings import Settings
+
+__all__ = ["Broker", "Claimed"]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A task this worker holds (it sits in the worker's in-flight list)."""
+
+    task_id: str
+    cls: str
+    data: bytes
+    attempt: int
+    timeout_s: float
+    created_ms: int | None
+    started_ms: int
+    file: bytes | None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Broker:
+    def __init__(self, client: Redis, settings: Settings, name: str, classes: list[str]) -> None:
+        self.client = client
+        self.settings = settings
+        self.name = name
+        self.classes = classes  # served, in priority order
+        self._scripts = SyncScripts(client)
+        self._all = settings.class_names
+        self._wake_key = keys.wake(name)
+
+    def _lease_opts(self) -> dict[str, Any]:
+        return {**lease_options(self.settings), "worker": self.name}
+
+    def register(self, info: dict[str, str], catalog: dict[str, Any]) -> list[Reaped] | None:
+        """Publish the worker; None if a live worker holds the name. Returns what an
+        earlier process of this name left in flight and was given back."""
+        opts = options(
+            **self._lease_opts(),
+            info=info,
+            catalog={name: json.dumps(entry) for name, entry in catalog.items()},
+        )
+        reply = self._scripts.run("register", opts)
+        if _text(reply[0]) == "name_in_use":
+            return None
+        return parse_reaped(reply[1])
+
+    def claim(self, was_idle: bool, device_json: str) -> Claimed | None:
+        opts = options(
+            worker=self.name, classes=self.classes, was_idle=was_idle, device=device_json
+        )
+        reply = self._scripts.run("claim", opts)
+        if reply is None:
+            return None
+        task_id, cls, data, attempt, timeout, created, started, file = reply
+        return Claimed(
+            task_id=_text(task_id),
+            cls=_text(cls),
+            data=data,
+            attempt=int(attempt),
+            timeout_s=float(timeout) if timeout else self.settings.class_timeout_s(_text(cls)),
+            created_ms=int(created) if created else None,
+            started_ms=int(started),
+            file=file,
+        )
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a submit rings this worker's doorbell; False on timeout."""
+        return self.client.blpop([self._wake_key], timeout=timeout_s) is not None
+
+    def finish(
+        self,
+        task: Claimed,
+        status: str,
+        result_json: str = "",
+        error: dict[str, Any] | None = None,
+        progress: dict[str, Any] | None = None,
+    ) -> tuple[str, int | None]:
+        """Record the outcome; returns ('ok', ended_ms), ('duplicate', None) or ('gone', None)."""
+        opts = options(
+            id=task.task_id,
+            worker=self.name,
+            **{"class": task.cls},
+            status=status,
+            error=json.dumps(error) if error else "",
+            progress=json.dumps(progress) if progress else "",
+            ttl_s=self.settings.result_ttl_s,
+        )
+        reply = self._scripts.run("finish", opts, result_json)
+        verdict = _text(reply[0])
+        return verdict, int(reply[1]) if verdict == "ok" else None
+
+    def release(self, task: Claimed, at_head: bool = True) -> str:
+        """Give the task back (head: shutdown; tail: retry) without counting a loss."""
+        opts = options(
+            id=task.task_id,
+            worker=self.name,
+            classes=self._all,
+            at_head=at_head,
+            **{"class": task.cls},
+        )
+        return _text(self._scripts.run("release", opts))
+
+    def progress(self, task_id: str, fraction: float, message: str) -> None:
+        value = json.dumps({"fraction": round(fraction, 4), "message": message})
+        self.client.hset(keys.job(task_id), "progress", value)
+
+    def heartbeat(
+        self, info: dict[str, str], drained: Drained, tau_s: float
+    ) -> tuple[bool, list[str]]:
+        """Renew the lease and flush metrics. Returns (lease was live, ids to cancel)."""
+        opts = options(
+            worker=self.name,
+            ttl_ms=int(self.settings.lease_ttl_s * 1000),
+            tau_s=tau_s,
+            info=info,
+            counters=drained.counters,
+            floats=drained.floats,
+            runs=drained.runs,
+        )
+        renewed, cancels = self._scripts.run("heartbeat", opts)
+        return bool(renewed), [_text(c) for c in cancels]
+
+    def reap(self) -> list[Reaped]:
+        return parse_reaped(self._scripts.run("reap", reap_options(self.settings)))
+
+    def unregister(self) -> list[Reaped]:
+        return parse_reaped(self._scripts.run("unregister", options(**self._lease_opts())))

@@ -1,0 +1,206 @@
+"""Running one claimed task in the worker's own process (invariant 2: no fork).
+
+The handler runs in the main thread. It is stopped by raising an exception into that
+thread from a signal handler: ``SIGALRM`` for its timeout, ``SIGUSR1`` when another
+thread asks (a cancel, or the end of the shutdown grace). Both interrupt blocking
+calls such as ``time.sleep``. Code stuck in native code that never returns to Python
+is the heartbeat's watchdog's business (it ends the process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from dispatcher.jobs import CallRefused, decode_call
+from worker import entry
+from worker.broker import Claimed
+from worker.registry import (
+    Registry,
+    TaskCanceled,
+    TaskFailure,
+    TaskInterrupt,
+    TaskTimeout,
+    UploadedFile,
+)
+
+__all__ = ["Interrupts", "Outcome", "ProgressSink", "RunningTask", "Runner", "TaskHandback"]
+
+log = logging.getLogger("gpulane.worker")
+
+
+class TaskHandback(TaskInterrupt):
+    """The worker is shutting down and the grace period is over: give the task back."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended. ``status`` is RQ's: finished, failed, canceled; or ``release``
+    (hand the task back untouched) and ``retry`` (requeue it behind the others)."""
+
+    status: str
+    result_json: str = ""
+    error: dict[str, Any] | None = None
+
+    @staticmethod
+    def fail(code: str, message: str) -> Outcome:
+        return Outcome("failed", error={"code": code, "message": message})
+
+
+class Interrupts:
+    """Raises a :class:`TaskInterrupt` in the main thread while a handler runs."""
+
+    def __init__(self) -> None:
+        self._armed = False
+        self._pending: type[TaskInterrupt] | None = None
+        self._main = threading.main_thread().ident or 0
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.signal(signal.SIGUSR1, self._on_request)
+
+    @contextmanager
+    def armed(self, timeout_s: float) -> Iterator[None]:
+        self._pending = None
+        self._armed = True
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            yield
+        finally:
+            self._armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def request(self, kind: type[TaskInterrupt]) -> None:
+        """From any thread: stop the running handler with ``kind``."""
+        self._pending = kind
+        signal.pthread_kill(self._main, signal.SIGUSR1)
+
+    def _fire(self, kind: type[TaskInterrupt] | None) -> None:
+        if self._armed and kind is not None:
+            self._armed = False  # once: the handler's cleanup must not be interrupted again
+            raise kind()
+
+    def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
+        self._fire(TaskTimeout)
+
+    def _on_request(self, signum: int, frame: FrameType | None) -> None:
+        self._fire(self._pending)
+
+
+ProgressSink = Callable[[str, float, str], None]
+
+
+class RunningTask:
+    """The :class:`worker.registry.TaskContext` of one run."""
+
+    _MIN_WRITE_INTERVAL_S = 0.25  # progress is for people; don't flood Redis
+
+    def __init__(
+        self,
+        claimed: Claimed,
+        task_type: str,
+        file: UploadedFile | None,
+        device: dict[str, Any],
+        sink: ProgressSink,
+        worker: str,
+    ) -> None:
+        self.task_id = claimed.task_id
+        self.task_type = task_type
+        self.task_class = claimed.cls
+        self.attempt = claimed.attempt
+        self.file = file
+        self.device = device
+        self.claimed = claimed
+        self.log = logging.LoggerAdapter(
+            log, {"worker": worker, "task": self.task_id, "class": self.task_class}
+        )
+        self.latest_progress: dict[str, Any] | None = None
+        self._sink = sink
+        self._last_write = 0.0
+        self._cancel = threading.Event()
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        fraction = min(max(float(fraction), 0.0), 1.0)
+        message = message[:500]
+        self.latest_progress = {"fraction": round(fraction, 4), "message": message}
+        now = time.monotonic()
+        if now - self._last_write >= self._MIN_WRITE_INTERVAL_S:
+            self._last_write = now
+            self._sink(self.task_id, fraction, message)
+
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def request_cancel(self) -> None:
+        self._cancel.set()
+
+
+class Runner:
+    """Turns a claimed task into an :class:`Outcome`; never raises for a task's fault."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        interrupts: Interrupts,
+        sink: ProgressSink,
+        device: dict[str, Any],
+        worker: str,
+        max_result_bytes: int,
+    ) -> None:
+        self.registry = registry
+        self.interrupts = interrupts
+        self.sink = sink
+        self.device = device
+        self.worker = worker
+        self.max_result_bytes = max_result_bytes
+        self.current: RunningTask | None = None
+
+    def run(self, claimed: Claimed) -> tuple[Outcome, RunningTask | None]:
+        try:
+            call = decode_call(claimed.data)
+        except CallRefused as exc:
+            return Outcome.fail("refused", f"Refused: {exc}."), None
+        upload = None
+        if call.file is not None and claimed.file is not None:
+            upload = UploadedFile(call.file.name, call.file.content_type, claimed.file)
+        ctx = RunningTask(claimed, call.task_type, upload, self.device, self.sink, self.worker)
+        self.current = ctx
+        try:
+            with self.interrupts.armed(claimed.timeout_s):
+                value = entry.run(call.task_type, call.args, ctx=ctx, registry=self.registry)
+            return self._encode(value), ctx
+        except TaskFailure as exc:
+            return Outcome.fail(exc.code, exc.message), ctx
+        except TaskTimeout:
+            return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s."), ctx
+        except TaskCanceled:
+            error = {"code": "canceled", "message": "Canceled while running."}
+            return Outcome("canceled", error=error), ctx
+        except TaskHandback:
+            return Outcome("release"), ctx
+        except Exception as exc:  # the handler's fault, not the worker's: report it
+            ctx.log.exception("task raised")
+            spec = self.registry.get(call.task_type)
+            if spec is not None and claimed.attempt <= spec.retries:
+                return Outcome("retry"), ctx
+            return Outcome.fail("task_error", f"{type(exc).__name__}: {exc}"), ctx
+        finally:
+            self.current = None
+
+    def _encode(self, value: Any) -> Outcome:
+        try:
+            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            return Outcome.fail("invalid_result", f"The result is not JSON: {exc}.")
+        if len(text) > self.max_result_bytes:
+            return Outcome.fail(
+                "result_too_large",
+                f"The result is {len(text)} bytes; the limit is {self.max_result_bytes}.",
+            )
+        return Outcome("finished", result_json=text)

@@ -1,0 +1,145 @@
+"""The worker's task loop: claim, run, report; park on the doorbell when idle.
+
+Pulling is what balances the pool: a worker asks for the next task only when it is
+free, so no router has to guess which GPU is idle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from redis.exceptions import RedisError
+
+from dispatcher.backoff import Backoff
+from dispatcher.jobs import PUBLIC_STATUS
+from dispatcher.metrics import Recorder
+from dispatcher.settings import Settings
+from worker.broker import Broker, Claimed
+from worker.execute import Outcome, Runner, RunningTask
+from worker.state import WorkerState
+
+__all__ = ["WorkerLoop"]
+
+log = logging.getLogger("gpulane.worker")
+
+PARK_POLL_S = 1.0  # how often a parked worker looks up to check for a stop request
+RECHECK_S = 5.0  # a parked worker looks at the queues anyway this often (lost doorbells)
+
+
+class WorkerLoop:
+    def __init__(
+        self,
+        broker: Broker,
+        runner: Runner,
+        state: WorkerState,
+        recorder: Recorder,
+        settings: Settings,
+    ) -> None:
+        self.broker = broker
+        self.runner = runner
+        self.state = state
+        self.recorder = recorder
+        self.settings = settings
+        self._backoff = Backoff()
+
+    def run(self) -> None:
+        was_idle = True  # a fresh worker may sit in idle sets from an earlier life
+        while not self.state.stopping:
+            try:
+                claimed = self.broker.claim(was_idle, json.dumps(self.state.device_json()))
+            except RedisError as exc:
+                self._wait_out(exc)
+                continue
+            self._backoff.reset()
+            if claimed is None:
+                was_idle = True
+                self.state.set("idle")
+                self._park()
+                continue
+            was_idle = False
+            self._execute(claimed)
+
+    def _park(self) -> None:
+        deadline = time.monotonic() + RECHECK_S
+        while not self.state.stopping and time.monotonic() < deadline:
+            try:
+                if self.broker.wait_for_work(PARK_POLL_S):
+                    return
+            except RedisError as exc:
+                self._wait_out(exc)
+                return
+
+    def _wait_out(self, exc: RedisError) -> None:
+        delay = self._backoff.next()
+        if self._backoff.failures == 1:
+            log.warning("redis unreachable, retrying: %s", exc, extra={"worker": self.broker.name})
+        time.sleep(delay)
+
+    def _execute(self, claimed: Claimed) -> None:
+        self.state.set("busy")
+        extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
+        log.info("task started", extra={**extra, "attempt": claimed.attempt})
+        outcome, ctx = self.runner.run(claimed)
+        task_type = ctx.task_type if ctx else "-"
+        ended_ms = self._report(claimed, outcome, ctx)
+        status = PUBLIC_STATUS.get(outcome.status, outcome.status)
+        run_s = ((ended_ms or claimed.started_ms) - claimed.started_ms) / 1000
+        log.info(
+            "task %s",
+            status,
+            extra={
+                **extra,
+                "type": task_type,
+                "elapsed_s": round(run_s, 3),
+                **({"error": outcome.error["code"]} if outcome.error else {}),
+            },
+        )
+        if ended_ms is not None:
+            self._record(claimed, task_type, status, ended_ms)
+
+    def _report(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> int | None:
+        """Hand the outcome to Redis, waiting out an outage: a finished task is never
+        dropped. Returns the Redis time it ended at, or None when not recorded here."""
+        while True:
+            try:
+                if outcome.status in ("release", "retry"):
+                    self.broker.release(claimed, at_head=outcome.status == "release")
+                    return None
+                verdict, ended_ms = self.broker.finish(
+                    claimed,
+                    outcome.status,
+                    outcome.result_json,
+                    outcome.error,
+                    ctx.latest_progress if ctx else None,
+                )
+            except RedisError as exc:
+                if self._abandon(exc):
+                    return None
+                continue
+            self._backoff.reset()
+            if verdict != "ok":
+                log.info("outcome already recorded elsewhere (%s)", verdict, extra={"task": claimed.task_id})
+            return ended_ms
+
+    def _abandon(self, exc: RedisError) -> bool:
+        """Wait before retrying a report; give up only when stopping past the grace
+        period (the lease then gives the task to another worker: at-least-once)."""
+        stop_at = self.state.stop_requested_at
+        if stop_at is not None and time.monotonic() - stop_at > self.settings.shutdown_grace_s:
+            log.error("redis still down at shutdown; the task will run again elsewhere")
+            return True
+        self._wait_out(exc)
+        return False
+
+    def _record(self, claimed: Claimed, task_type: str, status: str, ended_ms: int) -> None:
+        self.state.ended(status == "succeeded")
+        run_s = (ended_ms - claimed.started_ms) / 1000
+        self.recorder.count("finished", claimed.cls, task_type, status)
+        self.recorder.observe("run", run_s, claimed.cls, task_type)
+        if claimed.created_ms is not None:
+            self.recorder.observe("queue_wait", (claimed.started_ms - claimed.created_ms) / 1000, claimed.cls)
+            self.recorder.observe("latency", (ended_ms - claimed.created_ms) / 1000, claimed.cls)
+        if status in ("succeeded", "failed"):
+            self.recorder.run_sample(claimed.cls, run_s)
