@@ -1,0 +1,162 @@
+"""Read-side view of the pool: classes (depth, running, workers, run time) and live
+workers, from two pipelined round trips. Serves ``GET /queues``, ``GET /workers``,
+``/health`` and the admission cache that the API refreshes every heartbeat."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from dispatcher import admission, keys
+from dispatcher.jobs import iso_ms
+from dispatcher.settings import ClassConfig, Settings
+
+__all__ = ["ClassState", "Pool", "Snapshot"]
+
+
+@dataclass(frozen=True)
+class ClassState:
+    name: str
+    config: ClassConfig
+    depth: int
+    running: int
+    workers: int
+    busy_workers: int
+    oldest_wait_s: float | None
+    run_s: float
+
+    @property
+    def estimated_wait_s(self) -> float | None:
+        return admission.estimate_s(self.depth, self.run_s, self.workers)
+
+    @property
+    def pressure(self) -> str:
+        return admission.pressure(self.depth, self.run_s, self.workers, self.config)
+
+    def to_json(self) -> dict[str, Any]:
+        est = self.estimated_wait_s
+        return {
+            "name": self.name,
+            "depth": self.depth,
+            "running": self.running,
+            "workers": self.workers,
+            "busy_workers": self.busy_workers,
+            "oldest_wait_s": self.oldest_wait_s,
+            "estimated_wait_s": round(est, 3) if est is not None else None,
+            "pressure": self.pressure,
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now_ms: int
+    classes: dict[str, ClassState]
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    taken_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def age_s(self) -> float:
+        return time.monotonic() - self.taken_at
+
+
+def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _worker_view(name: str, info: dict[str, str], current: tuple[str, str] | None) -> dict[str, Any]:
+    state = info.get("state", "starting")
+    if state in ("idle", "busy"):
+        state = "busy" if current else "idle"
+    heartbeat = info.get("last_heartbeat_ms")
+    return {
+        "name": name,
+        "host": info.get("host"),
+        "state": state,
+        "classes": json.loads(info.get("classes", "[]")),
+        "task_types": json.loads(info.get("task_types", "[]")),
+        "current_task": current[0] if current else None,
+        "current_class": current[1] if current else None,
+        "tasks_done": int(info.get("tasks_done", 0)),
+        "tasks_failed": int(info.get("tasks_failed", 0)),
+        "last_heartbeat": iso_ms(int(heartbeat)) if heartbeat else None,
+        "device": json.loads(info.get("device", "null")),
+    }
+
+
+class Pool:
+    def __init__(self, client: Redis, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.latest: Snapshot | None = None
+
+    async def snapshot(self) -> Snapshot:
+        names = self.settings.class_names
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
+        for cls in names:
+            pipe.llen(keys.queue(cls))
+            pipe.lindex(keys.queue(cls), 0)
+            pipe.hmget(keys.stats(cls), "sum", "weight")
+        first = await pipe.execute()
+        now_ms = first[0][0] * 1000 + first[0][1] // 1000
+        live = [m.decode() for m, deadline in first[1] if deadline > now_ms]
+        per_class = [first[2 + 3 * i : 5 + 3 * i] for i in range(len(names))]
+
+        pipe = self.client.pipeline(transaction=False)
+        for name in live:
+            pipe.hgetall(keys.worker(name))
+            for cls in names:
+                pipe.lindex(keys.inflight(name, cls), 0)
+        for _, head, _ in per_class:
+            if head:
+                pipe.hget(keys.job(head.decode()), "created_ms")
+            else:
+                pipe.echo("")  # keeps one reply per class
+        second = await pipe.execute()
+
+        stride = 1 + len(names)
+        workers, serving, busy = [], dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+        running = dict.fromkeys(names, 0)
+        for i, name in enumerate(live):
+            info = _decode(second[i * stride])
+            if not info:  # reaped between the two reads
+                continue
+            current = None
+            for cls, task in zip(names, second[i * stride + 1 : (i + 1) * stride], strict=True):
+                if task:
+                    current = (task.decode(), cls)
+                    running[cls] += 1
+            view = _worker_view(name, info, current)
+            workers.append(view)
+            for cls in view["classes"]:
+                if cls in serving:
+                    serving[cls] += 1
+                    busy[cls] += current is not None
+        heads = second[len(live) * stride :]
+
+        classes = {}
+        for cls, (depth, _, (total, weight)), head_created in zip(names, per_class, heads, strict=True):
+            run_s = float(total) / float(weight) if total and weight and float(weight) > 0 else None
+            oldest = (now_ms - int(head_created)) / 1000 if head_created else None
+            classes[cls] = ClassState(
+                name=cls,
+                config=self.settings.classes[cls],
+                depth=int(depth),
+                running=running[cls],
+                workers=serving[cls],
+                busy_workers=busy[cls],
+                oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
+                run_s=run_s or self.settings.default_run_s,
+            )
+        snap = Snapshot(now_ms=now_ms, classes=classes, workers=workers)
+        self.latest = snap
+        return snap
+
+    async def cached(self) -> Snapshot:
+        """The snapshot the maintenance loop keeps fresh (one heartbeat old at most)."""
+        return self.latest or await self.snapshot()

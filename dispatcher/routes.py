@@ -1,0 +1,217 @@
+"""HTTP routes of API v1 (see ``shared/DESIGN.md`` for the contract)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from dispatcher import admission
+from dispatcher.auth import Authenticator, Principal
+from dispatcher.catalog import Catalog
+from dispatcher.errors import STORE_RETRY_AFTER_S, ApiError, error_body
+from dispatcher.metrics import Recorder
+from dispatcher.pool import ClassState, Pool
+from dispatcher.settings import Settings
+from dispatcher.store import SubmitResult, TaskStore
+from dispatcher.submission import parse_submission
+
+__all__ = ["Services", "router"]
+
+router = APIRouter()
+
+_FRESH_S = 0.05  # a snapshot younger than this is not re-read before a refusal
+
+_SUBMIT_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"type": "string", "example": "sleep"},
+                        "class": {"type": "string", "default": "batch"},
+                        "args": {"type": "object", "default": {}},
+                        "timeout_s": {"type": "number"},
+                    },
+                }
+            },
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "type": {"type": "string", "default": "document.extract"},
+                        "class": {"type": "string"},
+                        "args": {"type": "string", "description": "JSON object"},
+                        "timeout_s": {"type": "string"},
+                    },
+                }
+            },
+        },
+    }
+}
+
+
+@dataclass
+class Services:
+    settings: Settings
+    client: Redis
+    store: TaskStore
+    pool: Pool
+    catalog: Catalog
+    auth: Authenticator
+    recorder: Recorder
+
+
+def _services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+def _principal(request: Request) -> Principal:
+    return _services(request).auth.authenticate(request.headers.get("authorization"))
+
+
+def _backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:
+    return {
+        "Gpulane-Queue-Depth": str(depth),
+        "Gpulane-Estimated-Wait": f"{est:.1f}" if est is not None else "-1",
+        "Gpulane-Pressure": pressure,
+    }
+
+
+def _class_headers(state: ClassState) -> dict[str, str]:
+    return _backpressure(state.depth, state.estimated_wait_s, state.pressure)
+
+
+def _refusal(result: SubmitResult, state: ClassState) -> ApiError:
+    retry = admission.retry_after_s(result.depth, state.run_s, state.workers, state.config)
+    headers = {**_backpressure(result.depth, result.estimated_wait_s, "full"), "Retry-After": str(retry)}
+    if result.verdict == "no_workers":
+        message = f"No live worker serves class {state.name!r}; retry later."
+    else:
+        message = f"Class {state.name!r} is full ({result.depth} queued); retry in {retry} s."
+    return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry)
+
+
+@router.post("/tasks", status_code=202, openapi_extra=_SUBMIT_BODY, tags=["tasks"])
+async def submit_task(request: Request) -> JSONResponse:
+    """Submit a task (JSON, or multipart with a `file`). 202 with its id and queue position."""
+    svc = _services(request)
+    snap = await svc.pool.cached()
+    request.state.extra_headers = _class_headers(snap.classes[svc.settings.default_class])
+    principal = _principal(request)
+    sub = await parse_submission(request, principal, svc.settings, svc.catalog)
+    state = snap.classes[sub.cls]
+    request.state.extra_headers = _class_headers(state)
+
+    result = await svc.store.submit(sub, state)
+    if result.verdict == "no_workers" and snap.age_s > _FRESH_S:
+        # The snapshot may predate a worker that just started: look again before refusing.
+        snap = await svc.pool.snapshot()
+        state = snap.classes[sub.cls]
+        result = await svc.store.submit(sub, state)
+    if result.verdict in ("queue_full", "no_workers"):
+        svc.recorder.count("rejected", sub.cls, result.verdict)
+        raise _refusal(result, state)
+    body = {
+        "id": result.task_id,
+        "status": result.status,
+        "type": result.task_type,
+        "class": result.cls,
+        "position": None,
+        "estimated_wait_s": None,
+    }
+    if result.verdict == "duplicate":
+        headers = {**_class_headers(state), "Idempotent-Replayed": "true"}
+        return JSONResponse(body, status_code=200, headers={**headers, "Location": f"/tasks/{result.task_id}"})
+    svc.recorder.count("submitted", sub.cls, sub.task_type)
+    est = result.estimated_wait_s
+    body["position"] = result.depth - 1
+    body["estimated_wait_s"] = round(est, 3) if est is not None else None
+    pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
+    headers = {**_backpressure(result.depth, est, pressure), "Location": f"/tasks/{result.task_id}"}
+    return JSONResponse(body, status_code=202, headers=headers)
+
+
+@router.get("/tasks/{task_id}", tags=["tasks"])
+async def get_task(task_id: str, request: Request) -> dict[str, Any]:
+    """The task record: status, position, progress, result or error, timings."""
+    svc = _services(request)
+    principal = _principal(request)
+    record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
+    if record is None:
+        raise ApiError(404, "not_found", f"No task {task_id!r}.")
+    return record
+
+
+@router.delete("/tasks/{task_id}", tags=["tasks"])
+async def cancel_task(task_id: str, request: Request) -> JSONResponse:
+    """Cancel: a queued task at once (200), a running one by its worker (202)."""
+    svc = _services(request)
+    principal = _principal(request)
+    if len(task_id) > 64:
+        raise ApiError(404, "not_found", f"No task {task_id!r}.")
+    result = await svc.store.cancel(task_id, principal.task_scope)
+    if result.verdict == "not_found":
+        raise ApiError(404, "not_found", f"No task {task_id!r}.")
+    if result.verdict == "conflict":
+        raise ApiError(409, "conflict", f"Task {task_id!r} already ended ({result.status}).", status=result.status)
+    record = await svc.store.get(task_id, principal.task_scope)
+    return JSONResponse(record, status_code=200 if result.verdict == "canceled" else 202)
+
+
+def _admin(request: Request) -> Principal:
+    principal = _principal(request)
+    if not principal.admin:
+        raise ApiError(404, "not_found", "No such route for this key.")
+    return principal
+
+
+@router.get("/queues", tags=["pool"])
+async def queues(request: Request) -> dict[str, Any]:
+    """Each class in priority order: depth, running, workers, waits and pressure."""
+    svc = _services(request)
+    principal = _principal(request)
+    snap = await svc.pool.snapshot()
+    return {
+        "classes": [
+            state.to_json() for state in snap.classes.values() if principal.may_use(state.name)
+        ]
+    }
+
+
+@router.get("/workers", tags=["pool"])
+async def workers(request: Request) -> dict[str, Any]:
+    """Live workers with device, state and current task (admin only when keys are set)."""
+    svc = _services(request)
+    _admin(request)
+    snap = await svc.pool.snapshot()
+    return {"workers": snap.workers}
+
+
+@router.get("/health", tags=["pool"])
+async def health(request: Request, response: Response) -> dict[str, Any]:
+    """200 while Redis answers, else 503."""
+    svc = _services(request)
+    try:
+        await svc.client.ping()
+    except RedisError:
+        response.status_code = 503
+        response.headers["Retry-After"] = str(STORE_RETRY_AFTER_S)
+        return {
+            "status": "unavailable",
+            "redis": "unreachable",
+            "workers": None,
+            **error_body("store_unavailable", "The task store (Redis) is unreachable."),
+        }
+    snap = svc.pool.latest
+    return {"status": "ok", "redis": "ok", "workers": len(snap.workers) if snap else 0}

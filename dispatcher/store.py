@@ -1,0 +1,107 @@
+"""The API's task operations: submit, read and cancel, each one script call."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from dispatcher.jobs import RECORD_FIELDS, FileMeta, PUBLIC_STATUS, encode_call, record_from_fields
+from dispatcher.pool import ClassState
+from dispatcher.scripts import AsyncScripts, options
+from dispatcher.settings import Settings
+
+__all__ = ["CancelResult", "Submission", "SubmitResult", "TaskStore"]
+
+
+@dataclass(frozen=True)
+class Submission:
+    task_type: str
+    cls: str
+    args: dict[str, Any]
+    timeout_s: float
+    tenant: str
+    file: FileMeta | None = None
+    file_data: bytes = b""
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    verdict: str  # accepted | duplicate | queue_full | no_workers
+    task_id: str
+    depth: int  # tasks in the class queue after this submit
+    estimated_wait_s: float | None
+    status: str = "queued"  # public status (for a duplicate: the original's)
+    cls: str = ""
+    task_type: str = ""
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    verdict: str  # canceled | cancel_requested | conflict | not_found
+    status: str | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class TaskStore:
+    def __init__(self, client: Redis, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.scripts = AsyncScripts(client)
+
+    async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
+        cfg = state.config
+        digest = ""
+        if sub.idempotency_key is not None:
+            digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
+        opts = options(
+            id=str(uuid.uuid4()),
+            type=sub.task_type,
+            tenant=sub.tenant,
+            timeout=sub.timeout_s,
+            ttl_s=self.settings.result_ttl_s,
+            max_queued=cfg.max_queued,
+            max_wait_s=cfg.max_wait_s,
+            reject_without_workers=cfg.reject_without_workers,
+            workers=state.workers,
+            run_s=state.run_s,
+            idem=digest,
+            idem_ttl_s=self.settings.idempotency_ttl_s,
+            classes=self.settings.class_names,
+            **{"class": sub.cls},
+        )
+        data = encode_call(sub.task_type, sub.args, sub.file)
+        reply = await self.scripts.run("submit", opts, data, sub.file_data)
+        verdict = _text(reply[0])
+        if verdict == "duplicate":
+            _, task_id, status, cls, task_type = (_text(x) for x in reply)
+            return SubmitResult(
+                verdict, task_id, -1, None, PUBLIC_STATUS.get(status, status), cls, task_type
+            )
+        depth = int(reply[2]) + (verdict == "accepted")
+        est_ms = int(reply[3])
+        est = est_ms / 1000 if est_ms >= 0 else None
+        return SubmitResult(verdict, _text(reply[1]), depth, est, "queued", sub.cls, sub.task_type)
+
+    async def get(self, task_id: str, tenant: str | None) -> dict[str, Any] | None:
+        """The public record, or None when absent or owned by another tenant."""
+        values, position = await self.scripts.run("get", task_id, *RECORD_FIELDS)
+        raw = dict(zip(RECORD_FIELDS, values, strict=True))
+        if raw["status"] is None:
+            return None
+        if tenant is not None and (raw["tenant"] or b"").decode() != tenant:
+            return None
+        return record_from_fields(task_id, values, position)
+
+    async def cancel(self, task_id: str, tenant: str | None) -> CancelResult:
+        opts = options(id=task_id, tenant=tenant or "", ttl_s=self.settings.result_ttl_s)
+        reply = [_text(x) for x in await self.scripts.run("cancel", opts)]
+        status = PUBLIC_STATUS.get(reply[1], reply[1]) if len(reply) > 1 else None
+        return CancelResult(reply[0], status)

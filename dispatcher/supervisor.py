@@ -1,0 +1,293 @@
+"""``gpulane up``: the whole stack on one machine, kept running.
+
+Starts a private redis-server (unless a Redis URL is given), the API, and one worker
+per GPU (``cpu_workers`` CPU workers where there is none); restarts a process that
+exits, with capped backoff, and stops restarting one that crash-loops; on Ctrl-C or
+SIGTERM stops the workers (a running task may finish within the shutdown grace), then
+the API, then Redis.
+
+Two ``gpulane up`` on one machine do not collide: Redis listens on a socket in the
+data directory, the data directory is locked (a second instance using the default
+one moves to ``<dir>-2``...) and a busy default port moves to the next free one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import httpx
+
+from dispatcher.embedded_redis import EmbeddedRedis
+from dispatcher.settings import Settings
+
+__all__ = ["Supervisor", "UpError", "read_up_file"]
+
+CRASH_WINDOW_S = 60.0
+CRASH_LIMIT = 5  # exits within the window before a process is given up on
+BACKOFF_CAP_S = 30.0
+UP_FILE = "up.json"
+
+
+class UpError(RuntimeError):
+    """`gpulane up` cannot start; the message says why and what to do."""
+
+
+def say(message: str) -> None:
+    print(f"gpulane up: {message}", flush=True)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    label: str = ""
+    process: subprocess.Popen[bytes] | None = None
+    exits: deque[float] = field(default_factory=deque)
+    restart_at: float | None = None
+    given_up: bool = False
+
+    def start(self) -> None:
+        # Own session: a Ctrl-C in the terminal reaches only the supervisor, which then
+        # stops each child once, in order (a second signal would cut the grace short).
+        self.process = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self.restart_at = None
+
+    def poll_exit(self) -> int | None:
+        """The exit status if the process ended since the last look."""
+        if self.process is None or self.restart_at is not None or self.given_up:
+            return None
+        return self.process.poll()
+
+    def schedule_restart(self, now: float) -> bool:
+        """Plan a restart with backoff; False when it crash-loops and is given up."""
+        self.exits.append(now)
+        while self.exits and now - self.exits[0] > CRASH_WINDOW_S:
+            self.exits.popleft()
+        if len(self.exits) >= CRASH_LIMIT:
+            self.given_up = True
+            return False
+        self.restart_at = now + min(0.5 * 2 ** (len(self.exits) - 1), BACKOFF_CAP_S)
+        return True
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the supervisor dies without stopping it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _lock(directory: Path) -> IO[str] | None:
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = (directory / "gpulane.lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def read_up_file(data_dir: Path) -> dict[str, Any] | None:
+    """What a running `gpulane up` wrote about itself (its URL), if it is alive."""
+    try:
+        info: dict[str, Any] = json.loads((data_dir / UP_FILE).read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, workers: str) -> None:
+        self.settings = settings
+        self.workers_spec = workers
+        self.children: list[Child] = []
+        self.redis: EmbeddedRedis | None = None
+        self.stopping = False
+        self._lock_handle: IO[str] | None = None
+        self.data_dir = settings.data_dir
+
+    # -- start ---------------------------------------------------------------------
+
+    def _claim_data_dir(self) -> None:
+        explicit = "data_dir" in self.settings.model_fields_set
+        candidates = [self.data_dir] if explicit else [
+            self.data_dir.with_name(f"{self.data_dir.name}{suffix}")
+            for suffix in ("", *(f"-{n}" for n in range(2, 10)))
+        ]  # fmt: skip
+        for candidate in candidates:
+            self._lock_handle = _lock(candidate)
+            if self._lock_handle is not None:
+                self.data_dir = candidate
+                return
+        raise UpError(
+            f"data directory {self.data_dir} is in use by another `gpulane up`; "
+            "pass --data-dir to use another one"
+        )
+
+    def _choose_port(self) -> int:
+        host, port = self.settings.host, self.settings.port
+        if _port_free(host, port):
+            return port
+        if "port" in self.settings.model_fields_set:
+            raise UpError(f"port {port} on {host} is in use; pass another --port")
+        for candidate in range(port + 1, port + 100):
+            if _port_free(host, candidate):
+                say(f"port {port} is busy; using {candidate}")
+                return candidate
+        raise UpError(f"no free port near {port}; pass --port")
+
+    def _devices(self) -> list[dict[str, Any]]:
+        out = subprocess.run(
+            [sys.executable, "-m", "worker.devices"], capture_output=True, text=True, check=False
+        )
+        try:
+            devices: list[dict[str, Any]] = json.loads(out.stdout or "[]")
+        except ValueError:
+            devices = []
+        return devices
+
+    def _worker_children(self, env: dict[str, str]) -> list[Child]:
+        gpus = self._devices()
+        count = self.settings.cpu_workers if not gpus else len(gpus)
+        if self.workers_spec != "auto":
+            count = int(self.workers_spec)
+        host = socket.gethostname().split(".")[0]
+        children = []
+        for i in range(count):
+            gpu = gpus[i % len(gpus)] if gpus else None
+            label = f"gpu{gpu['index']}" if gpu else f"cpu{i}"
+            name = f"{host}.{label}" if not gpu or count <= len(gpus) else f"{host}.{label}.{i}"
+            argv = [sys.executable, "-m", "dispatcher.cli", "worker", "--name", name,
+                    "--gpu", gpu["uuid"] if gpu else "none"]  # fmt: skip
+            device = f"{gpu['name']} ({gpu['uuid']})" if gpu else "cpu"
+            children.append(Child(name, argv, env, label=device))
+        return children
+
+    def _start(self) -> str:
+        self._claim_data_dir()
+        env = dict(os.environ)
+        if self.settings.redis_url is None:
+            self.redis = EmbeddedRedis(self.data_dir / "redis")
+            self.redis.start()
+            env["GPULANE_REDIS_URL"] = self.redis.url
+            say(f"redis {self.redis.url} (private, AOF on, data in {self.data_dir / 'redis'})")
+        else:
+            say(f"redis {self.settings.redis_url}")
+        port = self._choose_port()
+        env["GPULANE_DATA_DIR"] = str(self.data_dir)
+        host = self.settings.host
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        api = [sys.executable, "-m", "dispatcher.cli", "api", "--host", host, "--port", str(port)]
+        self.children = [Child("api", api, env, label=url), *self._worker_children(env)]
+        for child in self.children:
+            child.start()
+            say(f"started {child.name} ({child.label}), pid {child.process.pid if child.process else '?'}")
+        (self.data_dir / UP_FILE).write_text(json.dumps({"url": url, "pid": os.getpid()}))
+        return url
+
+    def _wait_ready(self, url: str, timeout_s: float = 60.0) -> None:
+        expected = len(self.children) - 1
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                health = httpx.get(f"{url}/health", timeout=1).json()
+                if health.get("status") == "ok" and health.get("workers", 0) >= expected:
+                    say(f"ready: {url}  (dashboard {url}/, API docs {url}/docs); Ctrl-C stops")
+                    return
+            self._watch_once()
+            time.sleep(0.2)
+        if not self.stopping:
+            say(f"API at {url}, but not all {expected} workers reported yet; still starting")
+
+    # -- run -----------------------------------------------------------------------
+
+    def _watch_once(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            code = child.poll_exit()
+            if code is not None and not self.stopping:
+                if child.schedule_restart(now):
+                    delay = (child.restart_at or now) - now
+                    say(f"{child.name} exited with status {code}; restarting in {delay:.1f} s")
+                else:
+                    say(f"{child.name} exited {CRASH_LIMIT} times within {CRASH_WINDOW_S:.0f} s; "
+                        "not restarting it (see its log above)")  # fmt: skip
+            if child.restart_at is not None and now >= child.restart_at and not self.stopping:
+                child.start()
+                say(f"restarted {child.name}, pid {child.process.pid if child.process else '?'}")
+        if self.redis is not None and not self.redis.alive() and not self.stopping:
+            say("redis-server exited; restarting it (AOF keeps the queues)")
+            self.redis.start()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            url = self._start()
+            self._wait_ready(url)
+            while not self.stopping:
+                self._watch_once()
+                time.sleep(0.2)
+        finally:
+            self._shutdown()
+        return 0
+
+    # -- stop ----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        say("stopping: workers finish their running task (grace "
+            f"{self.settings.shutdown_grace_s:g} s), then the API and redis")  # fmt: skip
+        running = [c.process for c in self.children if c.process and c.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown_grace_s + 5
+        for process in running:
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.redis is not None:
+            self.redis.stop()
+        (self.data_dir / UP_FILE).unlink(missing_ok=True)
+        if self._lock_handle is not None:
+            self._lock_handle.close()
+        say("stopped")
