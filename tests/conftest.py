@@ -1,0 +1,133 @@
+"""Fixtures: a real redis-server for the session (flushed per test), the real API over
+HTTP, and real worker processes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from dispatcher import keys  # noqa: E402
+from dispatcher.settings import Settings  # noqa: E402
+from support.servers import (  # noqa: E402
+    TEST_TASKS,
+    ApiServer,
+    RedisServer,
+    WorkerProcess,
+    wait_for,
+    worker_env,
+)
+
+# Fast liveness for tests; the defaults (1 s / 3 s) are for production.
+FAST = {"heartbeat_interval_s": 0.2, "lease_ttl_s": 1.0}
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    redis_server.client().flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def make_settings(redis_url: str, **overrides: Any) -> Settings:
+    return Settings(redis_url=redis_url, **{**FAST, **overrides})
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return make_settings(redis_url)
+
+
+@pytest.fixture
+def api_factory() -> Iterator[Callable[[Settings], ApiServer]]:
+    servers: list[ApiServer] = []
+
+    def start(settings: Settings) -> ApiServer:
+        server = ApiServer(settings).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def api(settings: Settings, api_factory: Callable[[Settings], ApiServer]) -> ApiServer:
+    return api_factory(settings)
+
+
+@pytest.fixture
+def http(api: ApiServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=api.url, timeout=10) as client:
+        yield client
+
+
+WorkerFactory = Callable[..., WorkerProcess]
+
+
+@pytest.fixture
+def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[WorkerFactory]:
+    """Start `gpulane worker` processes; each call waits until the worker registered."""
+    started: list[WorkerProcess] = []
+    client = redis.Redis.from_url(redis_url)
+
+    def start(name: str | None = None, *, classes: str | None = None, wait: bool = True,
+              extra: list[str] | None = None, redis_url_override: str | None = None,
+              **settings: Any) -> WorkerProcess:  # fmt: skip
+        name = name or f"w{len(started)}-{request.node.name[:20]}"
+        args = ["--gpu", "none", "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"]
+        if classes:
+            args += ["--classes", classes]
+        env = worker_env(redis_url_override or redis_url, **{**FAST, **settings})
+        proc = WorkerProcess(name, env, args + (extra or []))
+        started.append(proc)
+        if wait:
+            wait_for(
+                lambda: client.zscore(keys.WORKERS, name) is not None or not proc.alive(),
+                20, what=f"worker {name} to register",
+            )  # fmt: skip
+            assert proc.alive(), proc.output()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+    client.close()
+
+
+def wait_status(http: httpx.Client, task_id: str, statuses: set[str], timeout_s: float = 15) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        record: dict[str, Any] = http.get(f"/tasks/{task_id}").json()
+        return record if record.get("status") in statuses else None
+
+    result: dict[str, Any] = wait_for(check, timeout_s, what=f"task {task_id} in {statuses}")
+    return result
+
+
+def submit(http: httpx.Client, task_type: str, args: dict[str, Any] | None = None,
+           cls: str = "batch", **extra: Any) -> dict[str, Any]:  # fmt: skip
+    response = http.post("/tasks", json={"type": task_type, "class": cls, "args": args or {}, **extra})
+    assert response.status_code == 202, response.text
+    body: dict[str, Any] = response.json()
+    return body

@@ -1,0 +1,1 @@
+"""Test helpers: servers, processes, waiting on conditions, sample documents."""

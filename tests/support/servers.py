@@ -1,0 +1,166 @@
+"""Real servers for tests: redis-server on a free loopback port, the API in a thread,
+worker processes started with the `gpulane worker` command."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+import uvicorn
+
+from dispatcher.app import create_app
+from dispatcher.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_TASKS = "gl_test_tasks"  # tests/support/gl_test_tasks.py, loaded by workers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.02,
+             what: str = "condition") -> Any:  # fmt: skip
+    """Poll ``check`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+
+
+class RedisServer:
+    """A redis-server of our own, AOF on, that tests may stop, kill and restart."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.directory = directory
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed (make test installs it)"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             "--maxmemory-policy", "noeviction"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = self.client()
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        wait_for(up, 10, what=f"redis-server on port {self.port}")
+        return self
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+class ApiServer:
+    """The real app under uvicorn in a thread, on a free port: real HTTP."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            create_app(settings), host="127.0.0.1", port=self.port, log_config=None,
+            access_log=False, lifespan="on",
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ApiServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, 15, what="the API to start")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def worker_env(redis_url: str, **settings: Any) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GPULANE_REDIS_URL"] = redis_url
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests" / "support")])
+    for key, value in settings.items():
+        env[f"GPULANE_{key.upper()}"] = str(value)
+    return env
+
+
+class WorkerProcess:
+    """One `gpulane worker` process."""
+
+    def __init__(self, name: str, env: dict[str, str], args: list[str]) -> None:
+        self.name = name
+        argv = [sys.executable, "-m", "dispatcher.cli", "worker", "--name", name, *args]
+        self.log = REPO / ".test-logs" / f"{name}.log"
+        self.log.parent.mkdir(exist_ok=True)
+        self._log_handle = self.log.open("wb")
+        self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=self._log_handle,
+                                        stderr=subprocess.STDOUT)  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def terminate(self, timeout_s: float = 15) -> int:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        finally:
+            self._log_handle.close()
