@@ -56,7 +56,9 @@ async def _maintain_once(svc: Services, catalog_due: bool) -> None:
     reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
     for item in reaped:
         svc.recorder.count("requeued", item.cls, "worker_lost")
-        log.warning("gave back a dead worker's task: %s", item.outcome, extra={"task": item.task_id})
+        log.warning(
+            "gave back a dead worker's task: %s", item.outcome, extra={"task": item.task_id}
+        )
     await svc.pool.snapshot()
     if catalog_due:
         await svc.catalog.refresh()

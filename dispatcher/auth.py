@@ -38,7 +38,9 @@ class Principal:
 
 
 def _unauthorized(message: str) -> ApiError:
-    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": 'Bearer realm="gpulane"'})
+    return ApiError(
+        401, "unauthorized", message, headers={"WWW-Authenticate": 'Bearer realm="gpulane"'}
+    )
 
 
 class Authenticator:

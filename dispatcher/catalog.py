@@ -46,6 +46,10 @@ class TaskTypeInfo:
         return out
 
 
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
 def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
     try:
         entry = json.loads(raw)
@@ -70,7 +74,8 @@ class Catalog:
         self._read_at = 0.0
 
     async def refresh(self) -> None:
-        raw = await self._client.hgetall(keys.CATALOG)
+        reply = await self._client.hgetall(keys.CATALOG)
+        raw = {_bytes(k): _bytes(v) for k, v in reply.items()}
         self._read_at = time.monotonic()
         if raw == self._raw:
             return

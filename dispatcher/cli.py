@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run Redis, the API and one worker per GPU on this machine")
-    up.add_argument("--workers", default="auto", help="N, or auto: one per GPU (cpu_workers without GPUs)")
+    up.add_argument(
+        "--workers", default="auto", help="N, or auto: one per GPU (cpu_workers without GPUs)"
+    )
     up.add_argument("--host")
     up.add_argument("--port", type=int)
     up.add_argument("--redis-url", help="use this Redis instead of a private one")
@@ -87,9 +89,12 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
 
     from dispatcher.app import create_app
 
-    if not settings.tenants and not ipaddress.ip_address(
-        "127.0.0.1" if settings.host == "localhost" else settings.host
-    ).is_loopback:
+    if (
+        not settings.tenants
+        and not ipaddress.ip_address(
+            "127.0.0.1" if settings.host == "localhost" else settings.host
+        ).is_loopback
+    ):
         log.warning(
             "serving on %s with no API keys: anyone who reaches this port can submit tasks",
             settings.host,

@@ -42,8 +42,14 @@ FileArg = str | Path | bytes | IO[bytes]
 class GpulaneError(Exception):
     """The API refused a request; ``code`` is its ``error`` field."""
 
-    def __init__(self, status: int, code: str, message: str, body: dict[str, Any] | None = None,
-                 retry_after_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        body: dict[str, Any] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
         self.code = code
@@ -164,9 +170,16 @@ class _Base:
 class Client(_Base):
     """Blocking client (``httpx.Client`` underneath)."""
 
-    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 30.0,
-                 max_retries: int = 5, max_delay_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        max_retries: int = 5,
+        max_delay_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         super().__init__(url, api_key, max_retries, max_delay_s)
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
 
@@ -183,9 +196,13 @@ class Client(_Base):
         for attempt in range(self.max_retries + 1):
             try:
                 response = self._http.request(
-                    req.method, req.path, json=req.json, data=req.data, files=req.files,
+                    req.method,
+                    req.path,
+                    json=req.json,
+                    data=req.data,
+                    files=req.files,
                     headers={**self.headers, **(req.headers or {})},
-                )  # fmt: skip
+                )
             except httpx.TransportError:
                 if attempt == self.max_retries:
                     raise
@@ -197,10 +214,17 @@ class Client(_Base):
             return self._result(response)
         raise AssertionError("unreachable")
 
-    def submit(self, task_type: str | None = None, args: dict[str, Any] | None = None, *,
-               cls: str | None = None, file: FileArg | None = None, filename: str | None = None,
-               timeout_s: float | None = None, idempotency_key: str | None = None,
-               ) -> dict[str, Any]:  # fmt: skip
+    def submit(
+        self,
+        task_type: str | None = None,
+        args: dict[str, Any] | None = None,
+        *,
+        cls: str | None = None,
+        file: FileArg | None = None,
+        filename: str | None = None,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
         return self._send(
             _submit_request(task_type, args, cls, file, filename, timeout_s, idempotency_key)
         )
@@ -217,8 +241,14 @@ class Client(_Base):
     def workers(self) -> dict[str, Any]:
         return self._send(_Request("GET", "/workers"))
 
-    def wait(self, task_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5,
-             on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    def wait(
+        self,
+        task_id: str,
+        *,
+        timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
         """Poll until the task is final; ``on_update`` sees every record read."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -235,9 +265,16 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client (``httpx.AsyncClient`` underneath)."""
 
-    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 30.0,
-                 max_retries: int = 5, max_delay_s: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        max_retries: int = 5,
+        max_delay_s: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         super().__init__(url, api_key, max_retries, max_delay_s)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
 
@@ -254,9 +291,13 @@ class AsyncClient(_Base):
         for attempt in range(self.max_retries + 1):
             try:
                 response = await self._http.request(
-                    req.method, req.path, json=req.json, data=req.data, files=req.files,
+                    req.method,
+                    req.path,
+                    json=req.json,
+                    data=req.data,
+                    files=req.files,
                     headers={**self.headers, **(req.headers or {})},
-                )  # fmt: skip
+                )
             except httpx.TransportError:
                 if attempt == self.max_retries:
                     raise
@@ -268,10 +309,17 @@ class AsyncClient(_Base):
             return self._result(response)
         raise AssertionError("unreachable")
 
-    async def submit(self, task_type: str | None = None, args: dict[str, Any] | None = None, *,
-                     cls: str | None = None, file: FileArg | None = None,
-                     filename: str | None = None, timeout_s: float | None = None,
-                     idempotency_key: str | None = None) -> dict[str, Any]:  # fmt: skip
+    async def submit(
+        self,
+        task_type: str | None = None,
+        args: dict[str, Any] | None = None,
+        *,
+        cls: str | None = None,
+        file: FileArg | None = None,
+        filename: str | None = None,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
         return await self._send(
             _submit_request(task_type, args, cls, file, filename, timeout_s, idempotency_key)
         )
@@ -282,8 +330,9 @@ class AsyncClient(_Base):
     async def cancel(self, task_id: str) -> dict[str, Any]:
         return await self._send(_Request("DELETE", f"/tasks/{task_id}"))
 
-    async def wait(self, task_id: str, *, timeout_s: float | None = None,
-                   poll_s: float = 0.5) -> dict[str, Any]:  # fmt: skip
+    async def wait(
+        self, task_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5
+    ) -> dict[str, Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             record = await self.get(task_id)

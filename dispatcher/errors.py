@@ -65,7 +65,9 @@ def install_error_handlers(app: FastAPI) -> None:
             {"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in exc.errors()
         ]
         return _response(
-            ApiError(422, "invalid_request", "The request does not match the API.", details=details),
+            ApiError(
+                422, "invalid_request", "The request does not match the API.", details=details
+            ),
             request,
         )
 

@@ -23,9 +23,27 @@ __all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "Drained", "Recorder"]
 
 # Seconds; GPU work spans milliseconds (a cached inference) to an hour (a long batch).
 BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-    60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, float("inf"),
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+    7200.0,
+    float("inf"),
+)
 _LE = tuple("+Inf" if b == float("inf") else repr(b) for b in BUCKETS)
 
 # Prometheus name -> label names; the short key is what the hash fields use.

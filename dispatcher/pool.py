@@ -67,7 +67,9 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
-def _worker_view(name: str, info: dict[str, str], current: tuple[str, str] | None) -> dict[str, Any]:
+def _worker_view(
+    name: str, info: dict[str, str], current: tuple[str, str] | None
+) -> dict[str, Any]:
     state = info.get("state", "starting")
     if state in ("idle", "busy"):
         state = "busy" if current else "idle"
@@ -87,6 +89,32 @@ def _worker_view(name: str, info: dict[str, str], current: tuple[str, str] | Non
     }
 
 
+class _Tally:
+    """Counts per class while the live workers are read."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.workers: list[dict[str, Any]] = []
+        self.serving = dict.fromkeys(names, 0)
+        self.busy = dict.fromkeys(names, 0)
+        self.running = dict.fromkeys(names, 0)
+
+    def add(self, name: str, info: dict[str, str], inflight: list[Any]) -> None:
+        if not info:  # reaped between the two reads
+            return
+        current = None
+        for cls, task in zip(self.names, inflight, strict=True):
+            if task:
+                current = (task.decode(), cls)
+                self.running[cls] += 1
+        view = _worker_view(name, info, current)
+        self.workers.append(view)
+        for cls in view["classes"]:
+            if cls in self.serving:
+                self.serving[cls] += 1
+                self.busy[cls] += current is not None
+
+
 class Pool:
     def __init__(self, client: Redis, settings: Settings) -> None:
         self.client = client
@@ -95,18 +123,7 @@ class Pool:
 
     async def snapshot(self) -> Snapshot:
         names = self.settings.class_names
-        pipe = self.client.pipeline(transaction=False)
-        pipe.time()
-        pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
-        for cls in names:
-            pipe.llen(keys.queue(cls))
-            pipe.lindex(keys.queue(cls), 0)
-            pipe.hmget(keys.stats(cls), "sum", "weight")
-        first = await pipe.execute()
-        now_ms = first[0][0] * 1000 + first[0][1] // 1000
-        live = [m.decode() for m, deadline in first[1] if deadline > now_ms]
-        per_class = [first[2 + 3 * i : 5 + 3 * i] for i in range(len(names))]
-
+        now_ms, live, per_class = await self._read_classes(names)
         pipe = self.client.pipeline(transaction=False)
         for name in live:
             pipe.hgetall(keys.worker(name))
@@ -117,45 +134,51 @@ class Pool:
                 pipe.hget(keys.job(head.decode()), "created_ms")
             else:
                 pipe.echo("")  # keeps one reply per class
-        second = await pipe.execute()
-
+        replies = await pipe.execute()
         stride = 1 + len(names)
-        workers, serving, busy = [], dict.fromkeys(names, 0), dict.fromkeys(names, 0)
-        running = dict.fromkeys(names, 0)
+        tally = _Tally(names)
         for i, name in enumerate(live):
-            info = _decode(second[i * stride])
-            if not info:  # reaped between the two reads
-                continue
-            current = None
-            for cls, task in zip(names, second[i * stride + 1 : (i + 1) * stride], strict=True):
-                if task:
-                    current = (task.decode(), cls)
-                    running[cls] += 1
-            view = _worker_view(name, info, current)
-            workers.append(view)
-            for cls in view["classes"]:
-                if cls in serving:
-                    serving[cls] += 1
-                    busy[cls] += current is not None
-        heads = second[len(live) * stride :]
-
-        classes = {}
-        for cls, (depth, _, (total, weight)), head_created in zip(names, per_class, heads, strict=True):
-            run_s = float(total) / float(weight) if total and weight and float(weight) > 0 else None
-            oldest = (now_ms - int(head_created)) / 1000 if head_created else None
-            classes[cls] = ClassState(
-                name=cls,
-                config=self.settings.classes[cls],
-                depth=int(depth),
-                running=running[cls],
-                workers=serving[cls],
-                busy_workers=busy[cls],
-                oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
-                run_s=run_s or self.settings.default_run_s,
+            tally.add(
+                name, _decode(replies[i * stride]), replies[i * stride + 1 : (i + 1) * stride]
             )
-        snap = Snapshot(now_ms=now_ms, classes=classes, workers=workers)
+        heads = replies[len(live) * stride :]
+        classes = {
+            cls: self._class_state(cls, depth, stats, head_created, now_ms, tally)
+            for cls, (depth, _, stats), head_created in zip(names, per_class, heads, strict=True)
+        }
+        snap = Snapshot(now_ms=now_ms, classes=classes, workers=tally.workers)
         self.latest = snap
         return snap
+
+    async def _read_classes(self, names: list[str]) -> tuple[int, list[str], list[list[Any]]]:
+        """Redis time, live worker names, and per class [depth, head id, [sum, weight]]."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
+        for cls in names:
+            pipe.llen(keys.queue(cls))
+            pipe.lindex(keys.queue(cls), 0)
+            pipe.hmget(keys.stats(cls), "sum", "weight")
+        replies = await pipe.execute()
+        now_ms = replies[0][0] * 1000 + replies[0][1] // 1000
+        live = [m.decode() for m, deadline in replies[1] if deadline > now_ms]
+        return now_ms, live, [replies[2 + 3 * i : 5 + 3 * i] for i in range(len(names))]
+
+    def _class_state(
+        self, cls: str, depth: int, stats: list[Any], head_created: Any, now_ms: int, tally: _Tally
+    ) -> ClassState:
+        total, weight = (float(v) if v else 0.0 for v in stats)
+        oldest = (now_ms - int(head_created)) / 1000 if head_created else None
+        return ClassState(
+            name=cls,
+            config=self.settings.classes[cls],
+            depth=int(depth),
+            running=tally.running[cls],
+            workers=tally.serving[cls],
+            busy_workers=tally.busy[cls],
+            oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
+            run_s=total / weight if weight > 0 else self.settings.default_run_s,
+        )
 
     async def cached(self) -> Snapshot:
         """The snapshot the maintenance loop keeps fresh (one heartbeat old at most)."""

@@ -94,7 +94,10 @@ def _class_headers(state: ClassState) -> dict[str, str]:
 
 def _refusal(result: SubmitResult, state: ClassState) -> ApiError:
     retry = admission.retry_after_s(result.depth, state.run_s, state.workers, state.config)
-    headers = {**_backpressure(result.depth, result.estimated_wait_s, "full"), "Retry-After": str(retry)}
+    headers = {
+        **_backpressure(result.depth, result.estimated_wait_s, "full"),
+        "Retry-After": str(retry),
+    }
     if result.verdict == "no_workers":
         message = f"No live worker serves class {state.name!r}; retry later."
     else:
@@ -122,7 +125,7 @@ async def submit_task(request: Request) -> JSONResponse:
     if result.verdict in ("queue_full", "no_workers"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
         raise _refusal(result, state)
-    body = {
+    body: dict[str, Any] = {
         "id": result.task_id,
         "status": result.status,
         "type": result.task_type,
@@ -132,7 +135,9 @@ async def submit_task(request: Request) -> JSONResponse:
     }
     if result.verdict == "duplicate":
         headers = {**_class_headers(state), "Idempotent-Replayed": "true"}
-        return JSONResponse(body, status_code=200, headers={**headers, "Location": f"/tasks/{result.task_id}"})
+        return JSONResponse(
+            body, status_code=200, headers={**headers, "Location": f"/tasks/{result.task_id}"}
+        )
     svc.recorder.count("submitted", sub.cls, sub.task_type)
     est = result.estimated_wait_s
     body["position"] = result.depth - 1
@@ -164,7 +169,12 @@ async def cancel_task(task_id: str, request: Request) -> JSONResponse:
     if result.verdict == "not_found":
         raise ApiError(404, "not_found", f"No task {task_id!r}.")
     if result.verdict == "conflict":
-        raise ApiError(409, "conflict", f"Task {task_id!r} already ended ({result.status}).", status=result.status)
+        raise ApiError(
+            409,
+            "conflict",
+            f"Task {task_id!r} already ended ({result.status}).",
+            status=result.status,
+        )
     record = await svc.store.get(task_id, principal.task_scope)
     return JSONResponse(record, status_code=200 if result.verdict == "canceled" else 202)
 

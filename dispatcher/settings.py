@@ -136,10 +136,14 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(3.0, gt=0)
     max_attempts: int = Field(3, ge=1, description="Lost attempts before a task fails.")
     shutdown_grace_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, how long a running task may finish before it is handed back."
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long a running task may finish before it is handed back.",
     )
     timeout_grace_s: float = Field(
-        10.0, ge=0, description="How long past its timeout a task that ignores the interrupt may run before its worker exits."
+        10.0,
+        ge=0,
+        description="How long a task that ignores its timeout may run on before its worker exits.",
     )
 
     # Worker pool (`gpulane up`).

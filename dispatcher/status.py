@@ -41,26 +41,54 @@ def _device(device: dict[str, Any] | None) -> str:
 
 def pool_view(queues: dict[str, Any], workers: dict[str, Any] | None) -> Group:
     classes = Table(title="classes (priority order)", title_justify="left")
-    for column in ("class", "depth", "running", "workers", "busy", "oldest wait", "est. wait", "pressure"):
+    for column in (
+        "class",
+        "depth",
+        "running",
+        "workers",
+        "busy",
+        "oldest wait",
+        "est. wait",
+        "pressure",
+    ):
         classes.add_column(column, justify="left" if column in ("class", "pressure") else "right")
     for c in queues["classes"]:
         style = _PRESSURE_STYLE.get(c["pressure"], "")
         classes.add_row(
-            c["name"], str(c["depth"]), str(c["running"]), str(c["workers"]),
-            str(c["busy_workers"]), _seconds(c["oldest_wait_s"]), _seconds(c["estimated_wait_s"]),
+            c["name"],
+            str(c["depth"]),
+            str(c["running"]),
+            str(c["workers"]),
+            str(c["busy_workers"]),
+            _seconds(c["oldest_wait_s"]),
+            _seconds(c["estimated_wait_s"]),
             f"[{style}]{c['pressure']}[/]",
-        )  # fmt: skip
+        )
     parts: list[Any] = [classes]
     if workers is not None:
         table = Table(title=f"workers ({len(workers['workers'])} live)", title_justify="left")
-        for column in ("name", "host", "state", "device", "classes", "current task", "done", "failed"):
+        for column in (
+            "name",
+            "host",
+            "state",
+            "device",
+            "classes",
+            "current task",
+            "done",
+            "failed",
+        ):
             table.add_column(column, justify="right" if column in ("done", "failed") else "left")
         for w in workers["workers"]:
             table.add_row(
-                w["name"], w["host"] or "-", w["state"], _device(w["device"]),
-                ",".join(w["classes"]), w["current_task"] or "-", str(w["tasks_done"]),
+                w["name"],
+                w["host"] or "-",
+                w["state"],
+                _device(w["device"]),
+                ",".join(w["classes"]),
+                w["current_task"] or "-",
+                str(w["tasks_done"]),
                 str(w["tasks_failed"]),
-            )  # fmt: skip
+            )
         parts.append(table)
     return Group(*parts)
 

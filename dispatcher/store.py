@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from dispatcher.jobs import RECORD_FIELDS, FileMeta, PUBLIC_STATUS, encode_call, record_from_fields
+from dispatcher.jobs import PUBLIC_STATUS, RECORD_FIELDS, FileMeta, encode_call, record_from_fields
 from dispatcher.pool import ClassState
 from dispatcher.scripts import AsyncScripts, options
 from dispatcher.settings import Settings

@@ -36,9 +36,11 @@ _MAX_FILENAME = 255
 
 def _too_large(limit: int, what: str) -> ApiError:
     return ApiError(
-        413, "payload_too_large", f"The {what} is larger than the limit of {limit} bytes.",
+        413,
+        "payload_too_large",
+        f"The {what} is larger than the limit of {limit} bytes.",
         limit_bytes=limit,
-    )  # fmt: skip
+    )
 
 
 def _limited(request: Request, limit: int, what: str) -> Request:
@@ -82,7 +84,9 @@ async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     return fields
 
 
-async def _form_fields(request: Request, settings: Settings) -> tuple[dict[str, Any], UploadFile | None]:
+async def _form_fields(
+    request: Request, settings: Settings
+) -> tuple[dict[str, Any], UploadFile | None]:
     limited = _limited(request, settings.max_file_bytes + settings.max_body_bytes, "upload")
     try:
         form = await limited.form(max_files=1, max_fields=8, max_part_size=settings.max_body_bytes)
@@ -96,7 +100,9 @@ async def _form_fields(request: Request, settings: Settings) -> tuple[dict[str, 
         elif name in _FIELDS and isinstance(value, str):
             fields[name] = value
         else:
-            raise _invalid(f"Unexpected form part {name!r}; parts are 'file' and {sorted(_FIELDS)}.")
+            raise _invalid(
+                f"Unexpected form part {name!r}; parts are 'file' and {sorted(_FIELDS)}."
+            )
     if "args" in fields:
         try:
             fields["args"] = json.loads(fields["args"])
@@ -115,7 +121,9 @@ def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
     if value is None:
         raise _invalid(f"The '{key}' field is required.")
     if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
-        raise _invalid(f"The '{key}' field must be a non-empty string of at most {_MAX_NAME} characters.")
+        raise _invalid(
+            f"The '{key}' field must be a non-empty string of at most {_MAX_NAME} characters."
+        )
     return value
 
 
@@ -130,65 +138,81 @@ def _timeout(fields: dict[str, Any], default_s: float, max_s: float) -> float:
     return float(value)
 
 
-async def parse_submission(
-    request: Request, principal: Principal, settings: Settings, catalog: Catalog
-) -> Submission:
+async def _read(request: Request, settings: Settings) -> tuple[dict[str, Any], UploadFile | None]:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    upload: UploadFile | None = None
     if content_type == "application/json":
-        fields = await _json_fields(request, settings)
-    elif content_type == "multipart/form-data":
-        fields, upload = await _form_fields(request, settings)
-    else:
-        raise ApiError(
-            400, "invalid_request", "Send application/json, or multipart/form-data with a 'file' part."
-        )
+        return await _json_fields(request, settings), None
+    if content_type == "multipart/form-data":
+        return await _form_fields(request, settings)
+    raise ApiError(
+        400, "invalid_request", "Send application/json, or multipart/form-data with a 'file' part."
+    )
 
+
+def _class(fields: dict[str, Any], principal: Principal, settings: Settings) -> str:
     cls = _name(fields, "class", settings.default_class)
     if cls not in settings.classes or not principal.may_use(cls):
         known = [c for c in settings.class_names if principal.may_use(c)]
         raise ApiError(422, "unknown_class", f"Unknown class {cls!r}.", known=known)
+    return cls
 
+
+async def _task_type(
+    fields: dict[str, Any], upload: UploadFile | None, settings: Settings, catalog: Catalog
+) -> str:
     task_type = _name(fields, "type", settings.default_file_task if upload else None)
     info = await catalog.lookup(task_type)
     if info is None:
         raise ApiError(
             422, "unknown_task_type", f"Unknown task type {task_type!r}.", known=catalog.names()
         )
-
     args = fields.get("args", {})
     if not isinstance(args, dict):
         raise _invalid("'args' must be a JSON object.")
     problems = info.errors(args)
     if problems:
         raise _invalid(f"Invalid arguments for {task_type!r}: {problems[0]}", details=problems)
-
     if info.file == "required" and upload is None:
         raise _invalid(f"Task type {task_type!r} needs a document: send it as the 'file' part.")
     if info.file == "none" and upload is not None:
         raise _invalid(f"Task type {task_type!r} does not take a file.")
+    return task_type
 
-    meta, data = None, b""
-    if upload is not None:
-        if upload.size is not None and upload.size > settings.max_file_bytes:
-            raise _too_large(settings.max_file_bytes, "file")
-        data = await upload.read()
-        if len(data) > settings.max_file_bytes:
-            raise _too_large(settings.max_file_bytes, "file")
-        name = (upload.filename or "upload")[:_MAX_FILENAME]
-        meta = FileMeta(name, upload.content_type or "application/octet-stream", len(data))
 
+async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | None, bytes]:
+    if upload is None:
+        return None, b""
+    if upload.size is not None and upload.size > limit:
+        raise _too_large(limit, "file")
+    data = await upload.read()
+    if len(data) > limit:
+        raise _too_large(limit, "file")
+    name = (upload.filename or "upload")[:_MAX_FILENAME]
+    return FileMeta(name, upload.content_type or "application/octet-stream", len(data)), data
+
+
+def _idempotency_key(request: Request) -> str | None:
     key = request.headers.get("idempotency-key")
     if key is not None and not 0 < len(key) <= _MAX_IDEMPOTENCY_KEY:
         raise _invalid(f"Idempotency-Key must have 1 to {_MAX_IDEMPOTENCY_KEY} characters.")
+    return key
 
+
+async def parse_submission(
+    request: Request, principal: Principal, settings: Settings, catalog: Catalog
+) -> Submission:
+    """Read and validate a submission; raise :class:`ApiError` with a clear message."""
+    fields, upload = await _read(request, settings)
+    cls = _class(fields, principal, settings)
+    task_type = await _task_type(fields, upload, settings, catalog)
+    meta, data = await _upload(upload, settings.max_file_bytes)
     return Submission(
         task_type=task_type,
         cls=cls,
-        args=args,
+        args=fields.get("args", {}),
         timeout_s=_timeout(fields, settings.class_timeout_s(cls), settings.max_timeout_s),
         tenant=principal.tenant,
         file=meta,
         file_data=data,
-        idempotency_key=key,
+        idempotency_key=_idempotency_key(request),
     )

@@ -17,7 +17,7 @@ _EXIT = {"succeeded": 0, "failed": 1, "canceled": 1}
 
 
 def _line(record: dict[str, Any]) -> str:
-    status = record["status"]
+    status = str(record["status"])
     if status == "queued":
         return f"queued, position {record.get('position')}"
     progress = record.get("progress") or {}
@@ -44,8 +44,10 @@ def submit_and_report(
         print(f"cannot submit: {exc}", file=sys.stderr)
         return 3
     est = task.get("estimated_wait_s")
-    print(f"{task['id']}  {task['type']} ({task['class']}): {task['status']}, position "
-          f"{task.get('position')}, estimated {'-' if est is None else f'{est:.1f}s'}")  # fmt: skip
+    print(
+        f"{task['id']}  {task['type']} ({task['class']}): {task['status']}, position "
+        f"{task.get('position')}, estimated {'-' if est is None else f'{est:.1f}s'}"
+    )
     if not wait:
         return 0
     tty = sys.stderr.isatty()
@@ -55,11 +57,20 @@ def submit_and_report(
         nonlocal last
         line = _line(record)
         if line != last:
-            print(f"\r\033[K{line}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+            print(
+                f"\r\033[K{line}" if tty else line,
+                end="" if tty else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
             last = line
 
     record = client.wait(task["id"], on_update=show, poll_s=0.3)
     if tty:
         print(file=sys.stderr)
-    print(json.dumps({k: record[k] for k in ("status", "result", "error", "queue_wait_s", "run_s")}, indent=2))
+    print(
+        json.dumps(
+            {k: record[k] for k in ("status", "result", "error", "queue_wait_s", "run_s")}, indent=2
+        )
+    )
     return _EXIT.get(record["status"], 1)

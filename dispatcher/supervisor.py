@@ -68,7 +68,7 @@ class Child:
             env=self.env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - the supervisor runs no threads
         )
         self.restart_at = None
 
@@ -145,10 +145,14 @@ class Supervisor:
 
     def _claim_data_dir(self) -> None:
         explicit = "data_dir" in self.settings.model_fields_set
-        candidates = [self.data_dir] if explicit else [
-            self.data_dir.with_name(f"{self.data_dir.name}{suffix}")
-            for suffix in ("", *(f"-{n}" for n in range(2, 10)))
-        ]  # fmt: skip
+        candidates = (
+            [self.data_dir]
+            if explicit
+            else [
+                self.data_dir.with_name(f"{self.data_dir.name}{suffix}")
+                for suffix in ("", *(f"-{n}" for n in range(2, 10)))
+            ]
+        )
         for candidate in candidates:
             self._lock_handle = _lock(candidate)
             if self._lock_handle is not None:
@@ -192,8 +196,16 @@ class Supervisor:
             gpu = gpus[i % len(gpus)] if gpus else None
             label = f"gpu{gpu['index']}" if gpu else f"cpu{i}"
             name = f"{host}.{label}" if not gpu or count <= len(gpus) else f"{host}.{label}.{i}"
-            argv = [sys.executable, "-m", "dispatcher.cli", "worker", "--name", name,
-                    "--gpu", gpu["uuid"] if gpu else "none"]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "dispatcher.cli",
+                "worker",
+                "--name",
+                name,
+                "--gpu",
+                gpu["uuid"] if gpu else "none",
+            ]
             device = f"{gpu['name']} ({gpu['uuid']})" if gpu else "cpu"
             children.append(Child(name, argv, env, label=device))
         return children
@@ -216,7 +228,8 @@ class Supervisor:
         self.children = [Child("api", api, env, label=url), *self._worker_children(env)]
         for child in self.children:
             child.start()
-            say(f"started {child.name} ({child.label}), pid {child.process.pid if child.process else '?'}")
+            pid = child.process.pid if child.process else "?"
+            say(f"started {child.name} ({child.label}), pid {pid}")
         (self.data_dir / UP_FILE).write_text(json.dumps({"url": url, "pid": os.getpid()}))
         return url
 
@@ -245,8 +258,10 @@ class Supervisor:
                     delay = (child.restart_at or now) - now
                     say(f"{child.name} exited with status {code}; restarting in {delay:.1f} s")
                 else:
-                    say(f"{child.name} exited {CRASH_LIMIT} times within {CRASH_WINDOW_S:.0f} s; "
-                        "not restarting it (see its log above)")  # fmt: skip
+                    say(
+                        f"{child.name} exited {CRASH_LIMIT} times within {CRASH_WINDOW_S:.0f} s; "
+                        "not restarting it (see its log above)"
+                    )
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.start()
                 say(f"restarted {child.name}, pid {child.process.pid if child.process else '?'}")
@@ -273,8 +288,10 @@ class Supervisor:
     # -- stop ----------------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        say("stopping: workers finish their running task (grace "
-            f"{self.settings.shutdown_grace_s:g} s), then the API and redis")  # fmt: skip
+        say(
+            "stopping: workers finish their running task (grace "
+            f"{self.settings.shutdown_grace_s:g} s), then the API and redis"
+        )
         running = [c.process for c in self.children if c.process and c.process.poll() is None]
         for process in running:
             process.send_signal(signal.SIGTERM)

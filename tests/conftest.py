@@ -14,9 +14,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dispatcher import keys  # noqa: E402
-from dispatcher.settings import Settings  # noqa: E402
-from support.servers import (  # noqa: E402
+from support.servers import (
     TEST_TASKS,
     ApiServer,
     RedisServer,
@@ -24,6 +22,9 @@ from support.servers import (  # noqa: E402
     wait_for,
     worker_env,
 )
+
+from dispatcher import keys
+from dispatcher.settings import Settings
 
 # Fast liveness for tests; the defaults (1 s / 3 s) are for production.
 FAST = {"heartbeat_interval_s": 0.2, "lease_ttl_s": 1.0}
@@ -92,9 +93,15 @@ def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Wor
     started: list[WorkerProcess] = []
     client = redis.Redis.from_url(redis_url)
 
-    def start(name: str | None = None, *, classes: str | None = None, wait: bool = True,
-              extra: list[str] | None = None, redis_url_override: str | None = None,
-              **settings: Any) -> WorkerProcess:  # fmt: skip
+    def start(
+        name: str | None = None,
+        *,
+        classes: str | None = None,
+        wait: bool = True,
+        extra: list[str] | None = None,
+        redis_url_override: str | None = None,
+        **settings: Any,
+    ) -> WorkerProcess:
         name = name or f"w{len(started)}-{request.node.name[:20]}"
         args = ["--gpu", "none", "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"]
         if classes:
@@ -105,8 +112,9 @@ def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Wor
         if wait:
             wait_for(
                 lambda: client.zscore(keys.WORKERS, name) is not None or not proc.alive(),
-                20, what=f"worker {name} to register",
-            )  # fmt: skip
+                20,
+                what=f"worker {name} to register",
+            )
             assert proc.alive(), proc.output()
         return proc
 
@@ -116,7 +124,9 @@ def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Wor
     client.close()
 
 
-def wait_status(http: httpx.Client, task_id: str, statuses: set[str], timeout_s: float = 15) -> dict[str, Any]:
+def wait_status(
+    http: httpx.Client, task_id: str, statuses: set[str], timeout_s: float = 15
+) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
         record: dict[str, Any] = http.get(f"/tasks/{task_id}").json()
         return record if record.get("status") in statuses else None
@@ -125,9 +135,16 @@ def wait_status(http: httpx.Client, task_id: str, statuses: set[str], timeout_s:
     return result
 
 
-def submit(http: httpx.Client, task_type: str, args: dict[str, Any] | None = None,
-           cls: str = "batch", **extra: Any) -> dict[str, Any]:  # fmt: skip
-    response = http.post("/tasks", json={"type": task_type, "class": cls, "args": args or {}, **extra})
+def submit(
+    http: httpx.Client,
+    task_type: str,
+    args: dict[str, Any] | None = None,
+    cls: str = "batch",
+    **extra: Any,
+) -> dict[str, Any]:
+    response = http.post(
+        "/tasks", json={"type": task_type, "class": cls, "args": args or {}, **extra}
+    )
     assert response.status_code == 202, response.text
     body: dict[str, Any] = response.json()
     return body

@@ -65,7 +65,8 @@ def _nvml() -> ModuleType | None:
     except pynvml.NVMLError as exc:
         log.info("no NVIDIA driver usable (%s); using the cpu device", exc)
         return None
-    return pynvml
+    module: ModuleType = pynvml
+    return module
 
 
 def _text(value: str | bytes) -> str:

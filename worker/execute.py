@@ -32,7 +32,7 @@ from worker.registry import (
     UploadedFile,
 )
 
-__all__ = ["Interrupts", "Outcome", "ProgressSink", "RunningTask", "Runner", "TaskHandback"]
+__all__ = ["Interrupts", "Outcome", "ProgressSink", "Runner", "RunningTask", "TaskHandback"]
 
 log = logging.getLogger("gpulane.worker")
 

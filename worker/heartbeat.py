@@ -91,7 +91,9 @@ class Heartbeat:
             self.recorder.restore(drained)
             raise
         if not renewed:
-            log.warning("lease had expired; worker re-registered", extra={"worker": self.state.name})
+            log.warning(
+                "lease had expired; worker re-registered", extra={"worker": self.state.name}
+            )
         for task_id in cancels:
             self.cancel(task_id)
         for reaped in self.broker.reap():
@@ -121,7 +123,9 @@ class Heartbeat:
             and time.monotonic() - stop_at > self.settings.shutdown_grace_s
         ):
             self._handback_sent = True
-            log.warning("shutdown grace over; handing the task back", extra={"task": claimed.task_id})
+            log.warning(
+                "shutdown grace over; handing the task back", extra={"task": claimed.task_id}
+            )
             self.interrupts.request(TaskHandback)
         overdue_s = time.time() - claimed.started_ms / 1000 - claimed.timeout_s
         if overdue_s > self.settings.timeout_grace_s:

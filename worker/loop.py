@@ -120,7 +120,11 @@ class WorkerLoop:
                 continue
             self._backoff.reset()
             if verdict != "ok":
-                log.info("outcome already recorded elsewhere (%s)", verdict, extra={"task": claimed.task_id})
+                log.info(
+                    "outcome already recorded elsewhere (%s)",
+                    verdict,
+                    extra={"task": claimed.task_id},
+                )
             return ended_ms
 
     def _abandon(self, exc: RedisError) -> bool:
@@ -139,7 +143,9 @@ class WorkerLoop:
         self.recorder.count("finished", claimed.cls, task_type, status)
         self.recorder.observe("run", run_s, claimed.cls, task_type)
         if claimed.created_ms is not None:
-            self.recorder.observe("queue_wait", (claimed.started_ms - claimed.created_ms) / 1000, claimed.cls)
+            self.recorder.observe(
+                "queue_wait", (claimed.started_ms - claimed.created_ms) / 1000, claimed.cls
+            )
             self.recorder.observe("latency", (ended_ms - claimed.created_ms) / 1000, claimed.cls)
         if status in ("succeeded", "failed"):
             self.recorder.run_sample(claimed.cls, run_s)

@@ -96,12 +96,21 @@ def run_worker(
     served = [c for c in settings.class_names if c in served]  # priority order
     name = name or f"{socket.gethostname()}.{os.getpid()}"
 
-    client = Redis.from_url(settings.redis_url_or_default, socket_timeout=10, socket_connect_timeout=5)
+    client = Redis.from_url(
+        settings.redis_url_or_default, socket_timeout=10, socket_connect_timeout=5
+    )
     broker = Broker(client, settings, name, served)
     state = WorkerState(name, device, served, REGISTRY.names())
     recorder = Recorder()
     interrupts = Interrupts()
-    runner = Runner(REGISTRY, interrupts, _progress_sink(broker), state.device_json(), name, settings.max_result_bytes)
+    runner = Runner(
+        REGISTRY,
+        interrupts,
+        _progress_sink(broker),
+        state.device_json(),
+        name,
+        settings.max_result_bytes,
+    )
     _install_signals(state, interrupts)
 
     if not _register(broker, state):

@@ -53,7 +53,7 @@ class TaskFailure(Exception):
         self.message = message
 
 
-class TaskInterrupt(BaseException):  # noqa: N818 - BaseException: `except Exception` must not eat it
+class TaskInterrupt(BaseException):
     """Raised inside a running handler to stop it."""
 
 

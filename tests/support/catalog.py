@@ -12,6 +12,7 @@ from dispatcher import keys
 
 def publish_builtin_catalog(client: redis.Redis) -> None:
     import gl_test_tasks  # noqa: F401 - registers the test task types
+
     import worker.tasks.builtin  # noqa: F401 - registers the built-ins
     from worker.registry import REGISTRY
 

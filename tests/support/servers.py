@@ -31,8 +31,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(check: Callable[[], Any], timeout_s: float = 10.0, interval_s: float = 0.02,
-             what: str = "condition") -> Any:  # fmt: skip
+def wait_for(
+    check: Callable[[], Any],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    what: str = "condition",
+) -> Any:
     """Poll ``check`` until it returns something truthy; fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
@@ -64,11 +68,26 @@ class RedisServer:
         assert binary, "redis-server is not installed (make test installs it)"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-             "--maxmemory-policy", "noeviction"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = self.client()
 
         def up() -> bool:
@@ -101,9 +120,13 @@ class ApiServer:
     def __init__(self, settings: Settings) -> None:
         self.port = free_port()
         config = uvicorn.Config(
-            create_app(settings), host="127.0.0.1", port=self.port, log_config=None,
-            access_log=False, lifespan="on",
-        )  # fmt: skip
+            create_app(settings),
+            host="127.0.0.1",
+            port=self.port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -139,8 +162,9 @@ class WorkerProcess:
         self.log = REPO / ".test-logs" / f"{name}.log"
         self.log.parent.mkdir(exist_ok=True)
         self._log_handle = self.log.open("wb")
-        self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=self._log_handle,
-                                        stderr=subprocess.STDOUT)  # fmt: skip
+        self.process = subprocess.Popen(
+            argv, env=env, cwd=REPO, stdout=self._log_handle, stderr=subprocess.STDOUT
+        )
 
     @property
     def pid(self) -> int:

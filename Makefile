@@ -1,0 +1,42 @@
+# gpulane: `make run` starts the whole stack on this machine; `make test` runs the suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: run test test-all lint fmt bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.run-deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.dev-deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@ $(VENV)/.run-deps
+
+run: $(VENV)/.run-deps ## the whole stack: private Redis, API, one worker per GPU
+	@scripts/ensure-redis.sh
+	$(BIN)/gpulane up
+
+test: $(VENV)/.dev-deps ## the default suite (slow fault tests: make test-all)
+	@scripts/ensure-redis.sh
+	$(BIN)/pytest
+
+test-all: $(VENV)/.dev-deps
+	@scripts/ensure-redis.sh
+	$(BIN)/pytest -m ''
+
+lint: $(VENV)/.dev-deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy dispatcher worker
+
+fmt: $(VENV)/.dev-deps
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .test-logs *.egg-info
