@@ -23,6 +23,7 @@ from dispatcher.backoff import Backoff
 from dispatcher.catalog import Catalog
 from dispatcher.errors import install_error_handlers
 from dispatcher.metrics import Recorder
+from dispatcher.observability import router as observability_router
 from dispatcher.pool import Pool
 from dispatcher.reaper import parse_reaped, reap_options
 from dispatcher.routes import Services, router
@@ -146,4 +147,5 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(observability_router)
     return app
