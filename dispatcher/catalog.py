@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,6 @@ __all__ = ["Catalog", "TaskTypeInfo"]
 
 log = logging.getLogger("gpulane.api")
 
-_MISS_REFRESH_S = 0.25  # how soon an unknown name may trigger another read of the catalog
 _MAX_ERRORS = 5
 
 
@@ -71,12 +69,10 @@ class Catalog:
         self._client = client
         self._types: dict[str, TaskTypeInfo] = {}
         self._raw: dict[bytes, bytes] = {}
-        self._read_at = 0.0
 
     async def refresh(self) -> None:
         reply = await self._client.hgetall(keys.CATALOG)
         raw = {_bytes(k): _bytes(v) for k, v in reply.items()}
-        self._read_at = time.monotonic()
         if raw == self._raw:
             return
         parsed = {k.decode(): _parse(k.decode(), v) for k, v in raw.items()}
@@ -84,9 +80,18 @@ class Catalog:
         self._raw = raw
 
     async def lookup(self, name: str) -> TaskTypeInfo | None:
-        if name not in self._types and time.monotonic() - self._read_at > _MISS_REFRESH_S:
-            await self.refresh()
-        return self._types.get(name)
+        """A cache miss reads that one entry: a worker that registered a moment ago is
+        seen at once, and a junk name costs one HGET, never a full re-read."""
+        info = self._types.get(name)
+        if info is None:
+            raw = await self._client.hget(keys.CATALOG, name)
+            if raw is not None:
+                info = _parse(name, _bytes(raw))
+                if info is not None:
+                    self._types = {**self._types, name: info}
+        return info
 
-    def names(self) -> list[str]:
+    async def names(self) -> list[str]:
+        """Known type names, read afresh: for the error that lists them."""
+        await self.refresh()
         return sorted(self._types)

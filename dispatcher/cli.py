@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     api.add_argument("--host")
     api.add_argument("--port", type=int)
     api.add_argument("--redis-url")
+    api.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # a socket `gpulane up` holds
 
     worker = sub.add_parser("worker", help="run one worker process")
     worker.add_argument("--gpu", default="auto", help="auto, none, a GPU index or UUID")
@@ -99,10 +100,12 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
             "serving on %s with no API keys: anyone who reaches this port can submit tasks",
             settings.host,
         )
+    where: dict[str, Any] = (
+        {"fd": ns.fd} if ns.fd is not None else {"host": settings.host, "port": settings.port}
+    )
     uvicorn.run(
         create_app(settings),
-        host=settings.host,
-        port=settings.port,
+        **where,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,

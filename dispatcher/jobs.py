@@ -117,8 +117,9 @@ def _inflate(data: bytes) -> bytes:
 
 def decode_call(data: bytes) -> Call:
     """Parse a job's ``data``; raise :class:`CallRefused` unless it calls :data:`ENTRY_POINT`."""
+    raw = _inflate(data)
     try:
-        payload = json.loads(_inflate(data))
+        payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CallRefused("job data is not JSON (pickled or foreign job)") from exc
     if not (isinstance(payload, list) and len(payload) == 4):

@@ -164,7 +164,10 @@ async def _task_type(
     info = await catalog.lookup(task_type)
     if info is None:
         raise ApiError(
-            422, "unknown_task_type", f"Unknown task type {task_type!r}.", known=catalog.names()
+            422,
+            "unknown_task_type",
+            f"Unknown task type {task_type!r}.",
+            known=await catalog.names(),
         )
     args = fields.get("args", {})
     if not isinstance(args, dict):

@@ -55,6 +55,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     label: str = ""
+    pass_fds: tuple[int, ...] = ()
     process: subprocess.Popen[bytes] | None = None
     exits: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
@@ -68,6 +69,7 @@ class Child:
             env=self.env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            pass_fds=self.pass_fds,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - the supervisor runs no threads
         )
         self.restart_at = None
@@ -111,14 +113,20 @@ def _lock(directory: Path) -> IO[str] | None:
     return handle
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+def _listen(host: str, port: int) -> socket.socket | None:
+    """A listening socket on host:port, or None when the port is taken. The supervisor
+    holds it and the API inherits it: no window where another process grabs the port,
+    and the port stays ours while the API restarts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        return None
+    sock.set_inheritable(True)
+    return sock
 
 
 def read_up_file(data_dir: Path) -> dict[str, Any] | None:
@@ -137,6 +145,7 @@ class Supervisor:
         self.workers_spec = workers
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
+        self.listener: socket.socket | None = None
         self.stopping = False
         self._lock_handle: IO[str] | None = None
         self.data_dir = settings.data_dir
@@ -163,16 +172,18 @@ class Supervisor:
             "pass --data-dir to use another one"
         )
 
-    def _choose_port(self) -> int:
+    def _bind(self) -> tuple[socket.socket, int]:
         host, port = self.settings.host, self.settings.port
-        if _port_free(host, port):
-            return port
+        sock = _listen(host, port)
+        if sock is not None:
+            return sock, port
         if "port" in self.settings.model_fields_set:
             raise UpError(f"port {port} on {host} is in use; pass another --port")
         for candidate in range(port + 1, port + 100):
-            if _port_free(host, candidate):
+            sock = _listen(host, candidate)
+            if sock is not None:
                 say(f"port {port} is busy; using {candidate}")
-                return candidate
+                return sock, candidate
         raise UpError(f"no free port near {port}; pass --port")
 
     def _devices(self) -> list[dict[str, Any]]:
@@ -220,12 +231,16 @@ class Supervisor:
             say(f"redis {self.redis.url} (private, AOF on, data in {self.data_dir / 'redis'})")
         else:
             say(f"redis {self.settings.redis_url}")
-        port = self._choose_port()
+        self.listener, port = self._bind()
         env["GPULANE_DATA_DIR"] = str(self.data_dir)
         host = self.settings.host
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        api = [sys.executable, "-m", "dispatcher.cli", "api", "--host", host, "--port", str(port)]
-        self.children = [Child("api", api, env, label=url), *self._worker_children(env)]
+        fd = self.listener.fileno()
+        api = [sys.executable, "-m", "dispatcher.cli", "api", "--fd", str(fd)]
+        self.children = [
+            Child("api", api, env, label=url, pass_fds=(fd,)),
+            *self._worker_children(env),
+        ]
         for child in self.children:
             child.start()
             pid = child.process.pid if child.process else "?"
@@ -304,6 +319,8 @@ class Supervisor:
                 process.wait()
         if self.redis is not None:
             self.redis.stop()
+        if self.listener is not None:
+            self.listener.close()
         (self.data_dir / UP_FILE).unlink(missing_ok=True)
         if self._lock_handle is not None:
             self._lock_handle.close()

@@ -40,9 +40,12 @@ def _choose_device(gpu: str) -> Device:
     return select(gpu, devices)
 
 
-def _register(broker: Broker, state: WorkerState) -> bool:
-    """Publish the worker, waiting for Redis if need be. False if the name is taken."""
+def _register(broker: Broker, state: WorkerState, settings: Settings) -> bool:
+    """Publish the worker, waiting for Redis if need be. A name still leased by an
+    earlier process (a restart after a crash) is waited out for two lease periods;
+    False if it stays taken (another live worker has it)."""
     backoff = Backoff(cap_s=5.0)
+    name_deadline = time.monotonic() + 2 * settings.lease_ttl_s
     while not state.stopping:
         try:
             recovered = broker.register(state.info(), REGISTRY.catalog())
@@ -50,15 +53,17 @@ def _register(broker: Broker, state: WorkerState) -> bool:
             log.warning("redis unreachable at start, retrying: %s", exc)
             time.sleep(backoff.next())
             continue
-        if recovered is None:
+        if recovered is not None:
+            for item in recovered:
+                log.warning(
+                    "gave back a task an earlier process of this name held: %s",
+                    item.outcome,
+                    extra={"task": item.task_id, "class": item.cls},
+                )
+            return True
+        if time.monotonic() > name_deadline:
             return False
-        for item in recovered:
-            log.warning(
-                "gave back a task an earlier process of this name held: %s",
-                item.outcome,
-                extra={"task": item.task_id, "class": item.cls},
-            )
-        return True
+        time.sleep(settings.heartbeat_interval_s / 2)
     return False
 
 
@@ -113,7 +118,7 @@ def run_worker(
     )
     _install_signals(state, interrupts)
 
-    if not _register(broker, state):
+    if not _register(broker, state, settings):
         if not state.stopping:
             log.error("a live worker is already named %r; choose another --name", name)
             return EXIT_CONFIG

@@ -1,0 +1,181 @@
+"""`gpulane up`, `gpulane submit` and `gpulane status` as a person runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.pdf import make_pdf
+from support.servers import REPO, wait_for
+
+
+class Up:
+    """A `gpulane up` process, its output captured to a file."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.log = Path(env["XDG_DATA_HOME"]) / f"up-{len(args)}-{os.urandom(3).hex()}.log"
+        self._out = self.log.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher.cli", "up", *args],
+            env=env,
+            cwd=REPO,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def url(self) -> str:
+        def ready() -> str | None:
+            assert self.process.poll() is None, self.output()
+            match = re.search(r"ready: (http://\S+)", self.output())
+            return match.group(1) if match else None
+
+        return str(wait_for(ready, 60, interval_s=0.1, what="gpulane up to be ready"))
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(60)
+        finally:
+            self._out.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
+    environment["XDG_DATA_HOME"] = str(tmp_path)  # default data dir: tmp_path/gpulane
+    environment["GPULANE_HEARTBEAT_INTERVAL_S"] = "0.2"
+    environment["GPULANE_LEASE_TTL_S"] = "1"
+    environment["GPULANE_SHUTDOWN_GRACE_S"] = "5"
+    yield environment
+
+
+def _redis_servers(data_dir: Path) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "redis-server"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if str(data_dir) in line]
+
+
+def test_up_serves_tasks_and_two_instances_do_not_collide(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    first = Up(env, "--workers", "2")
+    second = Up(env, "--workers", "1")
+    try:
+        url1, url2 = first.url(), second.url()
+        assert url1 != url2  # the second moved to a free port
+        assert (tmp_path / "gpulane" / "up.json").exists()
+        assert (tmp_path / "gpulane-2" / "up.json").exists()  # and to its own data dir
+        with httpx.Client(base_url=url1, timeout=10) as http:
+            workers = http.get("/workers").json()["workers"]
+            assert len(workers) == 2 and all(w["device"]["kind"] == "cpu" for w in workers)
+            task = http.post("/tasks", json={"type": "sleep", "args": {"seconds": 0.3}}).json()
+            pdf = make_pdf(["alpha", "beta"])
+            doc = http.post("/tasks", files={"file": ("x.pdf", pdf, "application/pdf")}).json()
+            for task_id in (task["id"], doc["id"]):
+                wait_for(
+                    lambda t=task_id: http.get(f"/tasks/{t}").json()["status"] == "succeeded",
+                    20,
+                    what="task to succeed",
+                )
+            assert http.get(f"/tasks/{doc['id']}").json()["result"]["pages"] == 2
+        with httpx.Client(base_url=url2, timeout=10) as http:
+            assert len(http.get("/workers").json()["workers"]) == 1
+            assert http.get(f"/tasks/{task['id']}").status_code == 404  # separate Redis
+    finally:
+        codes = (first.stop(), second.stop())
+    assert codes == (0, 0), first.output() + second.output()
+    assert "gpulane up: stopped" in first.output()
+    assert _redis_servers(tmp_path) == []
+    assert not (tmp_path / "gpulane" / "up.json").exists()
+
+
+def test_submit_wait_and_status(env: dict[str, str], tmp_path: Path) -> None:
+    up = Up(env, "--workers", "1")
+    try:
+        up.url()
+        cli = [sys.executable, "-m", "dispatcher.cli"]
+        # No --url: the command finds the running `gpulane up` through its data dir.
+        done = subprocess.run(
+            [
+                *cli,
+                "submit",
+                "--type",
+                "sleep",
+                "--args",
+                '{"seconds": 0.8}',
+                "--class",
+                "interactive",
+                "--wait",
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "sleep (interactive): queued" in done.stdout
+        summary = json.loads(done.stdout[done.stdout.index("{") :])
+        assert summary["status"] == "succeeded" and summary["result"]["slept_s"] >= 0.8
+
+        pdf = tmp_path / "letter.pdf"
+        pdf.write_bytes(make_pdf(["Dear reader", "Regards"]))
+        doc = subprocess.run(
+            [*cli, "submit", str(pdf), "--wait"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert doc.returncode == 0, doc.stderr
+        assert json.loads(doc.stdout[doc.stdout.index("{") :])["result"]["pages"] == 2
+
+        failed = subprocess.run(
+            [*cli, "submit", "--type", "nope"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert failed.returncode == 3 and "unknown_task_type" in failed.stderr
+
+        status = subprocess.run(
+            [*cli, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert status.returncode == 0, status.stderr
+        assert "interactive" in status.stdout and "batch" in status.stdout
+        assert "cpu0" in status.stdout
+    finally:
+        assert up.stop() == 0, up.output()
+
+
+def test_explicit_busy_data_dir_is_refused(env: dict[str, str], tmp_path: Path) -> None:
+    data = tmp_path / "shared"
+    first = Up(env, "--workers", "1", "--data-dir", str(data))
+    try:
+        first.url()
+        second = subprocess.run(
+            [sys.executable, "-m", "dispatcher.cli", "up", "--data-dir", str(data)],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 1
+        assert "in use by another `gpulane up`" in second.stderr
+    finally:
+        assert first.stop() == 0

@@ -1,0 +1,57 @@
+"""The stored call: one fixed entry point, JSON only, anything else refused."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zlib
+
+import pytest
+
+from dispatcher.jobs import ENTRY_POINT, CallRefused, FileMeta, decode_call, encode_call, iso_ms
+
+
+def test_round_trip() -> None:
+    meta = FileMeta("a.pdf", "application/pdf", 10)
+    call = decode_call(encode_call("document.extract", {"max_pages": 2}, meta))
+    assert (call.task_type, call.args, call.file) == ("document.extract", {"max_pages": 2}, meta)
+    payload = json.loads(zlib.decompress(encode_call("echo", {})))
+    assert payload == [ENTRY_POINT, None, ["echo", {}], {}]  # what RQ's JSONSerializer reads
+
+
+def test_entry_point_resolves_to_the_worker_function() -> None:
+    from worker import entry
+
+    module, _, name = ENTRY_POINT.rpartition(".")
+    assert module == entry.__name__ and callable(getattr(entry, name))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        zlib.compress(json.dumps(["os.system", None, ["rm -rf /"], {}]).encode()),
+        zlib.compress(json.dumps([ENTRY_POINT, "obj", ["echo", {}], {}]).encode()),
+        zlib.compress(json.dumps([ENTRY_POINT, None, ["echo"], {}]).encode()),
+        zlib.compress(json.dumps([ENTRY_POINT, None, ["echo", {}], {"shell": True}]).encode()),
+        zlib.compress(
+            json.dumps([ENTRY_POINT, None, ["echo", {}], {"file": {"name": 1}}]).encode()
+        ),
+        zlib.compress(pickle.dumps(("os.system", None, ("id",), {}))),
+        b"not even compressed",
+    ],
+)
+def test_refuses_anything_else(data: bytes) -> None:
+    with pytest.raises(CallRefused):
+        decode_call(data)
+
+
+def test_refuses_decompression_bombs() -> None:
+    bomb = zlib.compress(b"[" + b" " * (80 * 1024 * 1024) + b"]")
+    with pytest.raises(CallRefused, match="larger"):
+        decode_call(bomb)
+
+
+def test_iso_ms() -> None:
+    assert iso_ms(0) == "1970-01-01T00:00:00.000Z"
+    assert iso_ms(1_764_694_133_123) == "2025-12-02T16:48:53.123Z"
+    assert iso_ms(None) is None

@@ -1,0 +1,89 @@
+"""Settings: defaults, environment, the TOML file, and refusing what makes no sense."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dispatcher.settings import Settings, SettingsError, load_settings
+
+DIGEST = "a" * 64
+
+
+def test_defaults() -> None:
+    settings = Settings()
+    assert settings.class_names == ["interactive", "batch"]
+    assert settings.default_class == "batch"
+    assert settings.classes["interactive"].reject_without_workers is True
+    assert settings.classes["batch"].reject_without_workers is False
+    assert settings.class_timeout_s("batch") == settings.default_timeout_s
+    assert settings.redis_url is None and settings.redis_url_or_default.startswith("redis://")
+
+
+def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULANE_PORT", "9123")
+    monkeypatch.setenv("GPULANE_CLASSES", '{"rt": {"max_queued": 5}, "bulk": {}}')
+    monkeypatch.setenv("GPULANE_DEFAULT_CLASS", "bulk")
+    settings = load_settings()
+    assert settings.port == 9123
+    assert settings.class_names == ["rt", "bulk"]
+    assert settings.classes["rt"].max_queued == 5
+
+
+def test_toml_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "gpulane.toml"
+    config.write_text(
+        f"""
+max_file_bytes = 4096
+[classes.interactive]
+max_queued = 7
+max_wait_s = 3
+reject_without_workers = true
+[classes.batch]
+max_queued = 100
+[[tenants]]
+name = "acme"
+key_sha256 = "{DIGEST}"
+rate = 5
+burst = 10
+classes = ["batch"]
+"""
+    )
+    monkeypatch.setenv("GPULANE_CONFIG", str(config))
+    settings = load_settings()
+    assert settings.max_file_bytes == 4096
+    assert settings.class_names == ["interactive", "batch"]
+    assert settings.classes["interactive"].max_wait_s == 3
+    assert settings.tenants[0].name == "acme" and settings.tenants[0].key_sha256 == [DIGEST]
+    monkeypatch.setenv("GPULANE_MAX_FILE_BYTES", "8192")  # environment beats the file
+    assert load_settings().max_file_bytes == 8192
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("colour = 'blue'", "colour"),
+        ("[classes.batch]\nmax_queue = 3", "max_queue"),
+        (f"[[tenants]]\nname = 'x'\nkey_sha256 = '{DIGEST}'\nrole = 'admin'", "role"),
+        ("[[tenants]]\nname = 'x'\nkey_sha256 = 'not-hex'", "key_sha256"),
+        (f"[[tenants]]\nname = 'x'\nkey_sha256 = '{DIGEST}'\nclasses = ['gold']", "gold"),
+        ("lease_ttl_s = 0.5\nheartbeat_interval_s = 1", "lease_ttl_s"),
+        ("default_class = 'gold'", "default_class"),
+        ("[classes.Bad-Name]", "class name"),
+    ],
+)
+def test_bad_file_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, needle: str
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    monkeypatch.setenv("GPULANE_CONFIG", str(config))
+    with pytest.raises(SettingsError, match=needle):
+        load_settings()
+
+
+def test_missing_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPULANE_CONFIG", str(tmp_path / "nope.toml"))
+    with pytest.raises(SettingsError, match="not a readable file"):
+        load_settings()

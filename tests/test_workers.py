@@ -1,0 +1,159 @@
+"""Workers: class priority, class pinning, sharing a queue, refusing foreign jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import redis
+from conftest import WorkerFactory, submit, wait_status
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from support.servers import wait_for
+
+from dispatcher import keys
+from dispatcher.jobs import ENTRY_POINT
+
+
+def _started(http: httpx.Client, task_id: str) -> str:
+    return str(wait_status(http, task_id, {"succeeded"})["started_at"])
+
+
+def test_interactive_runs_before_queued_batch(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    start_worker()
+    blocker = submit(http, "sleep", {"seconds": 1.0}, cls="batch")
+    wait_status(http, blocker["id"], {"running"})
+    batch = [submit(http, "sleep", {"seconds": 0.05}, cls="batch") for _ in range(3)]
+    interactive = [submit(http, "sleep", {"seconds": 0.05}, cls="interactive") for _ in range(3)]
+    # The worker is busy: everything is queued, batch first in time.
+    starts_i = [_started(http, t["id"]) for t in interactive]
+    starts_b = [_started(http, t["id"]) for t in batch]
+    assert max(starts_i) < min(starts_b), (starts_i, starts_b)
+    assert starts_i == sorted(starts_i) and starts_b == sorted(starts_b)  # FIFO within a class
+
+
+def test_interactive_only_worker_never_takes_batch(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker(classes="interactive")
+    batch = [submit(http, "echo", {"n": i}, cls="batch") for i in range(3)]
+    interactive = [submit(http, "echo", {"n": i}, cls="interactive") for i in range(3)]
+    for task in interactive:
+        assert wait_status(http, task["id"], {"succeeded"})["worker"] == worker.name
+    for position, task in enumerate(batch):
+        record = http.get(f"/tasks/{task['id']}").json()
+        assert record["status"] == "queued" and record["position"] == position
+    assert r.llen(keys.queue("batch")) == 3
+    listed = http.get("/workers").json()["workers"]
+    assert [w["classes"] for w in listed] == [["interactive"]]
+
+
+def test_two_workers_drain_one_queue(http: httpx.Client, start_worker: WorkerFactory) -> None:
+    a, b = start_worker("drain-a"), start_worker("drain-b")
+    tasks = [submit(http, "sleep", {"seconds": 0.2}) for _ in range(10)]
+    records = [wait_status(http, t["id"], {"succeeded"}, timeout_s=30) for t in tasks]
+    by_worker = {name: sum(r["worker"] == name for r in records) for name in (a.name, b.name)}
+    assert sum(by_worker.values()) == 10
+    assert min(by_worker.values()) >= 3, by_worker  # both pulled; neither idled
+    done = {w["name"]: w["tasks_done"] for w in http.get("/workers").json()["workers"]}
+    wait_for(
+        lambda: (
+            {w["name"]: w["tasks_done"] for w in http.get("/workers").json()["workers"]}
+            == by_worker
+        ),
+        5,
+        what=f"tasks_done to match {by_worker} (saw {done})",
+    )
+
+
+def test_workers_route_shows_current_task(http: httpx.Client, start_worker: WorkerFactory) -> None:
+    worker = start_worker()
+    task = submit(http, "sleep", {"seconds": 1.0})
+    wait_status(http, task["id"], {"running"})
+    entry = wait_for(
+        lambda: next(
+            (w for w in http.get("/workers").json()["workers"] if w["state"] == "busy"), None
+        ),
+        5,
+        what="a busy worker",
+    )
+    assert entry["name"] == worker.name
+    assert entry["current_task"] == task["id"]
+    assert {
+        "name",
+        "host",
+        "state",
+        "classes",
+        "task_types",
+        "current_task",
+        "tasks_done",
+        "tasks_failed",
+        "last_heartbeat",
+        "device",
+    } <= set(entry)
+    assert {"echo", "sleep", "document.extract", "test.env"} <= set(entry["task_types"])
+    assert entry["device"]["kind"] == "cpu" and entry["device"]["index"] is None
+    queues = http.get("/queues").json()["classes"]
+    assert [c["name"] for c in queues] == ["interactive", "batch"]
+    batch = queues[1]
+    assert batch["running"] == 1 and batch["workers"] == 1 and batch["busy_workers"] == 1
+
+
+def test_foreign_entry_point_is_refused(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    """A job naming any function but gpulane's entry point never runs (invariant 3)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("still here")
+    job = Queue("batch", connection=r, serializer=JSONSerializer).enqueue("os.remove", str(victim))
+    pickled = Queue("batch", connection=r).enqueue("os.remove", str(victim))  # pickle serializer
+    worker = start_worker()
+    for foreign in (job, pickled):
+        record = wait_status(http, foreign.id, {"failed"})
+        assert record["error"]["code"] == "refused"
+    assert victim.read_text() == "still here"
+    assert worker.alive()
+    fetched = Job.fetch(job.id, connection=r, serializer=JSONSerializer)
+    assert fetched.get_status() == "failed"
+
+
+def test_unregistered_type_in_a_valid_call_is_refused(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    job = Queue("batch", connection=r, serializer=JSONSerializer).enqueue(
+        ENTRY_POINT, "shell.exec", {"cmd": "true"}
+    )
+    start_worker()
+    record = wait_status(http, job.id, {"failed"})
+    assert record["error"]["code"] == "unknown_task_type"
+    assert "shell.exec" in record["error"]["message"]
+
+
+def test_cpu_worker_hides_gpus_from_tasks(http: httpx.Client, start_worker: WorkerFactory) -> None:
+    start_worker()
+    result = wait_status(http, submit(http, "test.env")["id"], {"succeeded"})["result"]
+    assert result["cuda_visible_devices"] == ""  # pinned to no GPU before task code loaded
+    assert result["device"]["kind"] == "cpu"
+
+
+def test_cancel_queued_task(http: httpx.Client, start_worker: WorkerFactory) -> None:
+    start_worker(classes="interactive")
+    task = submit(http, "echo", cls="batch")
+    response = http.delete(f"/tasks/{task['id']}")
+    assert response.status_code == 200
+    record = response.json()
+    assert record["status"] == "canceled" and record["error"]["code"] == "canceled"
+    assert http.get(f"/tasks/{task['id']}").json()["status"] == "canceled"
+    assert http.get("/queues").json()["classes"][1]["depth"] == 0
+    assert http.delete(f"/tasks/{task['id']}").status_code == 409
+
+
+def test_duplicate_name_waits_then_gives_up(start_worker: WorkerFactory) -> None:
+    first = start_worker("same-name")
+    second = start_worker("same-name", wait=False)
+    assert second.process.wait(20) == 2
+    assert "already named 'same-name'" in second.output()
+    assert first.alive()
