@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test test-all lint fmt bench clean
+.PHONY: run test test-slow lint fmt bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,13 +21,13 @@ run: $(VENV)/.run-deps ## the whole stack: private Redis, API, one worker per GP
 	@scripts/ensure-redis.sh
 	$(BIN)/gpulane up
 
-test: $(VENV)/.dev-deps ## the default suite (slow fault tests: make test-all)
+test: $(VENV)/.dev-deps ## the default suite, a few minutes on 2 cores
 	@scripts/ensure-redis.sh
 	$(BIN)/pytest
 
-test-all: $(VENV)/.dev-deps
+test-slow: $(VENV)/.dev-deps ## the slow fault tests (chaos); CI runs them too
 	@scripts/ensure-redis.sh
-	$(BIN)/pytest -m ''
+	$(BIN)/pytest -m slow
 
 lint: $(VENV)/.dev-deps
 	$(BIN)/ruff check .

@@ -5,7 +5,6 @@ workers, from two pipelined round trips. Serves ``GET /queues``, ``GET /workers`
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +55,6 @@ class Snapshot:
     now_ms: int
     classes: dict[str, ClassState]
     workers: list[dict[str, Any]] = field(default_factory=list)
-    taken_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def age_s(self) -> float:
-        return time.monotonic() - self.taken_at
 
 
 def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:

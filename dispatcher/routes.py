@@ -24,8 +24,6 @@ __all__ = ["Services", "router"]
 
 router = APIRouter()
 
-_FRESH_S = 0.05  # a snapshot younger than this is not re-read before a refusal
-
 _SUBMIT_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -117,8 +115,9 @@ async def submit_task(request: Request) -> JSONResponse:
     request.state.extra_headers = _class_headers(state)
 
     result = await svc.store.submit(sub, state)
-    if result.verdict == "no_workers" and snap.age_s > _FRESH_S:
-        # The snapshot may predate a worker that just started: look again before refusing.
+    if result.verdict == "no_workers":
+        # The cached snapshot may predate a worker that just registered: look again
+        # before refusing (cheap: with no live worker for the class there is little to read).
         snap = await svc.pool.snapshot()
         state = snap.classes[sub.cls]
         result = await svc.store.submit(sub, state)

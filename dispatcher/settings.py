@@ -146,8 +146,15 @@ class Settings(BaseSettings):
         description="How long a task that ignores its timeout may run on before its worker exits.",
     )
 
-    # Worker pool (`gpulane up`).
+    # Worker pool.
     cpu_workers: int = Field(2, ge=1, description="Workers `up --workers auto` starts with no GPU.")
+    task_modules: list[str] = Field(
+        default_factory=lambda: ["worker.tasks.builtin"],
+        description="Modules whose @task functions workers load (`worker --tasks` overrides).",
+    )
+    fault_point: Literal["", "after_claim"] = Field(
+        "", description="Testing only: a worker SIGKILLs itself at this point."
+    )
 
     # Logs.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

@@ -22,8 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -35,8 +34,12 @@ from dispatcher.settings import Settings
 
 __all__ = ["Supervisor", "UpError", "read_up_file"]
 
-CRASH_WINDOW_S = 60.0
-CRASH_LIMIT = 5  # exits within the window before a process is given up on
+# A process that exits within HEALTHY_AFTER_S of its start failed to start (bad config,
+# import error, a driver that will not initialise); CRASH_LIMIT such exits in a row and
+# it is given up on and reported. An exit after a healthy run (a crash mid-task, an
+# operator's kill) is restarted at once and resets the count.
+HEALTHY_AFTER_S = 2.0
+CRASH_LIMIT = 5
 BACKOFF_CAP_S = 30.0
 UP_FILE = "up.json"
 
@@ -57,7 +60,9 @@ class Child:
     label: str = ""
     pass_fds: tuple[int, ...] = ()
     process: subprocess.Popen[bytes] | None = None
-    exits: deque[float] = field(default_factory=deque)
+    started_at: float = 0.0
+    quick_exits: int = 0
+    restarts: int = 0
     restart_at: float | None = None
     given_up: bool = False
 
@@ -72,6 +77,7 @@ class Child:
             pass_fds=self.pass_fds,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - the supervisor runs no threads
         )
+        self.started_at = time.monotonic()
         self.restart_at = None
 
     def poll_exit(self) -> int | None:
@@ -81,14 +87,17 @@ class Child:
         return self.process.poll()
 
     def schedule_restart(self, now: float) -> bool:
-        """Plan a restart with backoff; False when it crash-loops and is given up."""
-        self.exits.append(now)
-        while self.exits and now - self.exits[0] > CRASH_WINDOW_S:
-            self.exits.popleft()
-        if len(self.exits) >= CRASH_LIMIT:
+        """Plan a restart with capped backoff; False when it crash-loops (given up)."""
+        self.restarts += 1
+        if now - self.started_at >= HEALTHY_AFTER_S:
+            self.quick_exits = 0
+            self.restart_at = now
+            return True
+        self.quick_exits += 1
+        if self.quick_exits >= CRASH_LIMIT:
             self.given_up = True
             return False
-        self.restart_at = now + min(0.5 * 2 ** (len(self.exits) - 1), BACKOFF_CAP_S)
+        self.restart_at = now + min(0.5 * 2 ** (self.quick_exits - 1), BACKOFF_CAP_S)
         return True
 
 
@@ -274,8 +283,8 @@ class Supervisor:
                     say(f"{child.name} exited with status {code}; restarting in {delay:.1f} s")
                 else:
                     say(
-                        f"{child.name} exited {CRASH_LIMIT} times within {CRASH_WINDOW_S:.0f} s; "
-                        "not restarting it (see its log above)"
+                        f"{child.name} exited {CRASH_LIMIT} times in a row within "
+                        f"{HEALTHY_AFTER_S:g} s of starting; not restarting it (see its log above)"
                     )
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.start()

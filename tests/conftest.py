@@ -111,8 +111,9 @@ def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Wor
         proc = WorkerProcess(name, env, args + (extra or []))
         started.append(proc)
         if wait:
+            watch = redis.Redis.from_url(redis_url_override) if redis_url_override else client
             wait_for(
-                lambda: client.zscore(keys.WORKERS, name) is not None or not proc.alive(),
+                lambda: watch.zscore(keys.WORKERS, name) is not None or not proc.alive(),
                 20,
                 what=f"worker {name} to register",
             )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,40 +13,7 @@ import httpx
 import pytest
 from support.pdf import make_pdf
 from support.servers import REPO, wait_for
-
-
-class Up:
-    """A `gpulane up` process, its output captured to a file."""
-
-    def __init__(self, env: dict[str, str], *args: str) -> None:
-        self.log = Path(env["XDG_DATA_HOME"]) / f"up-{len(args)}-{os.urandom(3).hex()}.log"
-        self._out = self.log.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher.cli", "up", *args],
-            env=env,
-            cwd=REPO,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-        )
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def url(self) -> str:
-        def ready() -> str | None:
-            assert self.process.poll() is None, self.output()
-            match = re.search(r"ready: (http://\S+)", self.output())
-            return match.group(1) if match else None
-
-        return str(wait_for(ready, 60, interval_s=0.1, what="gpulane up to be ready"))
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(60)
-        finally:
-            self._out.close()
+from support.up import Up
 
 
 @pytest.fixture

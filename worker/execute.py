@@ -55,6 +55,10 @@ class Outcome:
         return Outcome("failed", error={"code": code, "message": message})
 
 
+def _canceled() -> Outcome:
+    return Outcome("canceled", error={"code": "canceled", "message": "Canceled while running."})
+
+
 class Interrupts:
     """Raises a :class:`TaskInterrupt` in the main thread while a handler runs."""
 
@@ -174,14 +178,15 @@ class Runner:
         try:
             with self.interrupts.armed(claimed.timeout_s):
                 value = entry.run(call.task_type, call.args, ctx=ctx, registry=self.registry)
+            if ctx.cancelled():  # the handler saw cancelled() and stopped early
+                return _canceled(), ctx
             return self._encode(value), ctx
         except TaskFailure as exc:
             return Outcome.fail(exc.code, exc.message), ctx
         except TaskTimeout:
             return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s."), ctx
         except TaskCanceled:
-            error = {"code": "canceled", "message": "Canceled while running."}
-            return Outcome("canceled", error=error), ctx
+            return _canceled(), ctx
         except TaskHandback:
             return Outcome("release"), ctx
         except Exception as exc:  # the handler's fault, not the worker's: report it

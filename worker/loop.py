@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 
 from redis.exceptions import RedisError
@@ -59,6 +61,8 @@ class WorkerLoop:
                 self._park()
                 continue
             was_idle = False
+            if self.settings.fault_point == "after_claim":
+                os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
             self._execute(claimed)
 
     def _park(self) -> None:

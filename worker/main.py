@@ -27,11 +27,10 @@ from worker.loop import WorkerLoop
 from worker.registry import REGISTRY, load_task_modules
 from worker.state import WorkerState
 
-__all__ = ["DEFAULT_TASKS", "run_worker"]
+__all__ = ["run_worker"]
 
 log = logging.getLogger("gpulane.worker")
 
-DEFAULT_TASKS = ["worker.tasks.builtin"]
 EXIT_CONFIG = 2
 
 
@@ -91,7 +90,7 @@ def run_worker(
         log.error("%s", exc)
         return EXIT_CONFIG
     pin(device)
-    load_task_modules(tasks or DEFAULT_TASKS)
+    load_task_modules(tasks or settings.task_modules)
 
     served = classes or settings.class_names
     unknown = [c for c in served if c not in settings.classes]

@@ -53,12 +53,24 @@ def stuck(args: SleepArgs, ctx: TaskContext) -> None:
     time.sleep(args.seconds)
 
 
-@task("test.ignore_cancel")
-def busy(args: SleepArgs, ctx: TaskContext) -> dict[str, Any]:
-    """Poll cancelled() cooperatively, swallowing nothing."""
-    end = time.monotonic() + args.seconds
-    while time.monotonic() < end:
-        if ctx.cancelled():
-            return {"stopped": "cooperatively"}
-        time.sleep(0.01)
-    return {"stopped": "at the end"}
+@task("test.poll_cancel")
+def poll_cancel(args: SleepArgs, ctx: TaskContext) -> dict[str, Any]:
+    """Cannot be interrupted (signals masked): stops only by polling cancelled()."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            if ctx.cancelled():
+                return {"stopped": "cooperatively"}
+            time.sleep(0.01)
+        return {"stopped": "at the end"}
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@task("test.flaky", retries=2)
+def flaky(args: BaseModel, ctx: TaskContext) -> dict[str, Any]:
+    """Fail the first attempt; the type allows retries."""
+    if ctx.attempt < 2:
+        raise RuntimeError(f"transient failure on attempt {ctx.attempt}")
+    return {"attempt": ctx.attempt}

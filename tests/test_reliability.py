@@ -1,0 +1,233 @@
+"""Invariant 1: an accepted task always reaches a final status. Real SIGKILLs, real
+signals, real Redis restarts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from conftest import WorkerFactory, make_settings, submit, wait_status
+from support.servers import ApiServer, RedisServer, wait_for
+
+from dispatcher import keys
+
+
+def test_sigkill_mid_task_another_worker_completes_it(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    a = start_worker("kill-a")
+    task = submit(http, "sleep", {"seconds": 1.0})
+    record = wait_status(http, task["id"], {"running"})
+    victim = a if record["worker"] == a.name else None
+    b = start_worker("kill-b")
+    if victim is None:  # b did not exist yet, so a took it
+        raise AssertionError("first worker should hold the task")
+    victim.kill()
+    killed_at = time.monotonic()
+    wait_for(
+        lambda: http.get(f"/tasks/{task['id']}").json()["worker"] == b.name,
+        10,
+        what="the task to move to the surviving worker",
+    )
+    print(
+        f"\nrecovery after SIGKILL (lease {1.0} s, heartbeat 0.2 s): "
+        f"{time.monotonic() - killed_at:.2f} s"
+    )
+    done = wait_status(http, task["id"], {"succeeded"})
+    assert done["attempts"] == 2 and done["worker"] == b.name
+
+
+def test_recovery_within_five_seconds_with_default_lease_settings(
+    redis_url: str, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+) -> None:
+    defaults = {"heartbeat_interval_s": 1.0, "lease_ttl_s": 3.0}
+    api = api_factory(make_settings(redis_url, **defaults))
+    a = start_worker("default-a", **defaults)
+    with httpx.Client(base_url=api.url) as http:
+        task = submit(http, "sleep", {"seconds": 30})
+        wait_status(http, task["id"], {"running"})
+        start_worker("default-b", **defaults)
+        a.kill()
+        killed_at = time.monotonic()
+        # The contract: running again elsewhere within 5 s of the kill.
+        wait_for(
+            lambda: http.get(f"/tasks/{task['id']}").json()["worker"] == "default-b",
+            5,
+            interval_s=0.05,
+            what="the task to run again on default-b",
+        )
+        print(f"\nrecovery after SIGKILL with defaults: {time.monotonic() - killed_at:.2f} s")
+
+
+def test_kill_between_dequeue_and_start_loses_nothing(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    doomed = start_worker("doomed", fault_point="after_claim")
+    task = submit(http, "echo", {"survived": True})
+    assert doomed.process.wait(10) == -9  # killed itself right after taking the task
+    # Taken and leased in one step: the id sits in the dead worker's in-flight list.
+    assert r.lrange(keys.inflight("doomed", "batch"), 0, -1) == [task["id"].encode()]
+    start_worker("rescuer")
+    done = wait_status(http, task["id"], {"succeeded"})
+    assert done["result"] == {"survived": True} and done["attempts"] == 2
+
+
+def test_poison_task_fails_after_its_budget_while_the_pool_serves(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    workers = [start_worker(f"pool-{i}") for i in range(4)]
+    poison = submit(http, "test.crash", {"seconds": 0.1})
+    others = [submit(http, "sleep", {"seconds": 0.05}) for _ in range(20)]
+    record = wait_status(http, poison["id"], {"failed"}, timeout_s=30)
+    assert record["error"]["code"] == "worker_lost"
+    assert len(record["error"]["attempts"]) == 3  # max_attempts, each with its worker
+    assert {a["outcome"] for a in record["error"]["attempts"]} == {"worker_lost"}
+    for task in others:
+        assert wait_status(http, task["id"], {"succeeded"}, timeout_s=30)
+    assert sum(w.alive() for w in workers) == 1  # three died on the poison, one served
+
+
+def test_timeout_fails_the_task_and_the_worker_serves_on(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    slow = submit(http, "sleep", {"seconds": 30}, timeout_s=0.5)
+    record = wait_status(http, slow["id"], {"failed"})
+    assert record["error"]["code"] == "timeout" and "0.5" in record["error"]["message"]
+    assert record["run_s"] < 5
+    nxt = submit(http, "echo", {"after": "timeout"})
+    assert wait_status(http, nxt["id"], {"succeeded"})["worker"] == worker.name
+
+
+def test_handler_stuck_in_native_code_restarts_the_worker(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker(timeout_grace_s=0.5)
+    stuck = submit(http, "test.stuck", {"seconds": 60}, timeout_s=0.5)
+    assert worker.process.wait(15) == 70  # the watchdog ended the process
+    record = wait_status(http, stuck["id"], {"failed"})
+    assert record["error"]["code"] == "timeout" and "restarted" in record["error"]["message"]
+
+
+def test_cancel_running_task(http: httpx.Client, start_worker: WorkerFactory) -> None:
+    worker = start_worker()
+    task = submit(http, "sleep", {"seconds": 30})
+    wait_status(http, task["id"], {"running"})
+    response = http.delete(f"/tasks/{task['id']}")
+    assert response.status_code == 202
+    assert response.json()["status"] == "running" and response.json()["cancel_requested"]
+    record = wait_status(http, task["id"], {"canceled"})
+    assert record["error"]["code"] == "canceled" and record["run_s"] < 10
+    nxt = submit(http, "echo")
+    assert wait_status(http, nxt["id"], {"succeeded"})["worker"] == worker.name
+
+
+def test_cancel_seen_by_a_handler_that_polls(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    start_worker()
+    task = submit(http, "test.poll_cancel", {"seconds": 30})
+    wait_status(http, task["id"], {"running"})
+    assert http.delete(f"/tasks/{task['id']}").status_code == 202
+    assert wait_status(http, task["id"], {"canceled"})["run_s"] < 10
+
+
+def test_sigterm_lets_the_running_task_finish(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker(shutdown_grace_s=10)
+    task = submit(http, "sleep", {"seconds": 1.0})
+    wait_status(http, task["id"], {"running"})
+    assert worker.terminate() == 0
+    record = http.get(f"/tasks/{task['id']}").json()
+    assert record["status"] == "succeeded" and record["attempts"] == 1
+
+
+def test_sigterm_past_the_grace_hands_the_task_back(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    leaving = start_worker("leaving", shutdown_grace_s=0.3)
+    task = submit(http, "sleep", {"seconds": 3})
+    wait_status(http, task["id"], {"running"})
+    assert leaving.terminate() == 0
+    record = http.get(f"/tasks/{task['id']}").json()
+    assert record["status"] == "queued" and record["position"] == 0  # back at the head
+    start_worker("staying")
+    done = wait_status(http, task["id"], {"succeeded"})
+    assert done["worker"] == "staying" and done["attempts"] == 2 and done["error"] is None
+
+
+def test_retry_when_the_task_type_allows_it(
+    http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    start_worker()
+    task = submit(http, "test.flaky")
+    record = wait_status(http, task["id"], {"succeeded", "failed"})
+    assert record["status"] == "succeeded" and record["result"] == {"attempt": 2}
+
+
+def test_idempotency_key(http: httpx.Client, start_worker: WorkerFactory) -> None:
+    start_worker()
+    body = {"type": "echo", "args": {"n": 1}}
+    first = http.post("/tasks", json=body, headers={"Idempotency-Key": "order-7"})
+    again = http.post("/tasks", json=body, headers={"Idempotency-Key": "order-7"})
+    other = http.post("/tasks", json=body, headers={"Idempotency-Key": "order-8"})
+    assert first.status_code == 202
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"] != other.json()["id"]
+    assert wait_status(http, first.json()["id"], {"succeeded"})["attempts"] == 1
+
+
+# -- Redis restarts -------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+def test_redis_restart_with_tasks_queued_and_running(
+    own_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+) -> None:
+    api = api_factory(make_settings(own_redis.url))
+    for i in range(2):
+        start_worker(f"r{i}", redis_url_override=own_redis.url)
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        wait_for(lambda: http.get("/health").json()["workers"] == 2, 5, what="workers")
+        tasks = [submit(http, "sleep", {"seconds": 0.3}) for _ in range(12)]
+        wait_status(http, tasks[0]["id"], {"running", "succeeded"})
+        own_redis.restart()  # SIGKILL; AOF (fsync always) brings everything back
+        records = [wait_status(http, t["id"], {"succeeded"}, timeout_s=60) for t in tasks]
+    twice = sum(r["attempts"] > 1 for r in records)
+    print(f"\n12 tasks across a Redis restart: all succeeded, {twice} ran twice")
+
+
+def test_result_finished_during_an_outage_is_reported_after_it(
+    own_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+) -> None:
+    api = api_factory(make_settings(own_redis.url))
+    worker = start_worker("outage", redis_url_override=own_redis.url)
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        task = submit(http, "sleep", {"seconds": 0.8})
+        wait_status(http, task["id"], {"running"})
+        own_redis.kill()
+        wait_for(
+            lambda: "task succeeded" in worker.output() or "retrying" in worker.output(),
+            10,
+            what="the worker to finish or wait for Redis",
+        )
+        wait_for(
+            lambda: worker.output().count("redis unreachable") >= 1,
+            10,
+            what="the worker to notice the outage",
+        )
+        own_redis.start()
+        record = wait_status(http, task["id"], {"succeeded"}, timeout_s=20)
+    assert record["attempts"] == 1  # reported once Redis was back, not run again
+    assert worker.alive()

@@ -1,0 +1,100 @@
+"""The Lua scripts on a real Redis, driven directly: the paths that are hard to reach
+through processes (a lease lost while the worker lives on, an outage of the reaper)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import redis
+
+from dispatcher import keys
+from dispatcher.jobs import encode_call
+from dispatcher.reaper import lease_options, parse_reaped, reap_options
+from dispatcher.scripts import SyncScripts, options
+from dispatcher.settings import Settings
+
+SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
+CLASSES = SETTINGS.class_names
+
+
+def _submit(s: SyncScripts, cls: str = "batch") -> str:
+    task_id = str(uuid.uuid4())
+    opts = options(id=task_id, type="echo", tenant="t", timeout=60, ttl_s=3600, max_queued=100,
+                   max_wait_s=1e9, reject_without_workers=False, workers=1, run_s=1.0, idem="",
+                   idem_ttl_s=60, classes=CLASSES, **{"class": cls})  # fmt: skip
+    assert s.run("submit", opts, encode_call("echo", {}), "")[0] == b"accepted"
+    return task_id
+
+
+def _register(s: SyncScripts, worker: str) -> None:
+    opts = options(**lease_options(SETTINGS), worker=worker, info={"state": "idle"}, catalog={})
+    assert s.run("register", opts)[0] == b"ok"
+
+
+def _claim(s: SyncScripts, worker: str) -> list | None:
+    return s.run("claim", options(worker=worker, classes=CLASSES, was_idle=False, device="{}"))
+
+
+def _finish(s: SyncScripts, worker: str, task_id: str, result: dict) -> bytes:
+    opts = options(id=task_id, worker=worker, status="finished", error="", progress="",
+                   ttl_s=60, **{"class": "batch"})  # fmt: skip
+    return s.run("finish", opts, json.dumps(result))[0]
+
+
+def _expire_lease(r: redis.Redis, worker: str) -> None:
+    r.zadd(keys.WORKERS, {worker: 0})
+
+
+def test_task_run_twice_is_reported_once(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    task_id = _submit(s)
+    _register(s, "slow")
+    assert _claim(s, "slow")[0].decode() == task_id
+    _expire_lease(r, "slow")  # "slow" lives on but missed its heartbeats
+    reaped = parse_reaped(s.run("reap", reap_options(SETTINGS)))
+    assert [(x.task_id, x.outcome) for x in reaped] == [(task_id, "requeued")]
+    _register(s, "fast")
+    assert _claim(s, "fast")[0].decode() == task_id
+    assert _finish(s, "slow", task_id, {"by": "slow"}) == b"ok"  # first report wins
+    assert r.lrange(keys.control("fast"), 0, -1) == [task_id.encode()]  # "fast" is told to stop
+    assert _finish(s, "fast", task_id, {"by": "fast"}) == b"duplicate"
+    assert json.loads(r.hget(keys.job(task_id), "result")) == {"by": "slow"}
+    assert r.llen(keys.inflight("fast", "batch")) == 0
+
+
+def test_late_report_of_a_requeued_task_takes_it_off_the_queue(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    task_id = _submit(s)
+    _register(s, "w")
+    _claim(s, "w")
+    _expire_lease(r, "w")
+    s.run("reap", reap_options(SETTINGS))
+    assert r.lrange(keys.queue("batch"), 0, -1) == [task_id.encode()]
+    assert _finish(s, "w", task_id, {"ok": 1}) == b"ok"
+    assert r.llen(keys.queue("batch")) == 0  # nobody runs it a second time
+
+
+def test_reaper_gives_grace_after_an_outage(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    task_id = _submit(s)
+    _register(s, "w")
+    _claim(s, "w")
+    _expire_lease(r, "w")
+    r.set(keys.REAPER_LAST, 1)  # the last pass was long ago: nobody could heartbeat
+    assert s.run("reap", reap_options(SETTINGS)) == []
+    assert r.zscore(keys.WORKERS, "w") > 0  # one more lease period, not reaped
+    assert r.hget(keys.job(task_id), "status") == b"started"
+
+
+def test_claim_is_priority_ordered_and_parks_when_empty(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    batch, interactive = _submit(s, "batch"), _submit(s, "interactive")
+    _register(s, "w")
+    assert _claim(s, "w")[0].decode() == interactive
+    assert _claim(s, "w")[0].decode() == batch
+    assert _claim(s, "w") is None
+    assert r.sismember(keys.idle("batch"), "w") and r.sismember(keys.idle("interactive"), "w")
+    _submit(s, "batch")  # rings the parked worker's doorbell and unparks it everywhere
+    assert r.llen(keys.wake("w")) == 1
+    assert not r.sismember(keys.idle("interactive"), "w")
