@@ -25,6 +25,7 @@ from dispatcher.errors import install_error_handlers
 from dispatcher.metrics import Recorder
 from dispatcher.observability import router as observability_router
 from dispatcher.pool import Pool
+from dispatcher.ratelimit import RateLimiter
 from dispatcher.reaper import parse_reaped, reap_options
 from dispatcher.routes import Services, router
 from dispatcher.settings import Settings
@@ -109,13 +110,15 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         redis = client or Redis.from_url(
             settings.redis_url_or_default, socket_timeout=5, socket_connect_timeout=3
         )
+        store = TaskStore(redis, settings)
         svc = Services(
             settings=settings,
             client=redis,
-            store=TaskStore(redis, settings),
+            store=store,
             pool=Pool(redis, settings),
             catalog=Catalog(redis),
             auth=Authenticator(settings),
+            limiter=RateLimiter(store.scripts),
             recorder=Recorder(),
         )
         app.state.services = svc

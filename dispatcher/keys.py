@@ -25,6 +25,9 @@ gpulane's keys::
     gpulane:stats:<class>            HASH   moving averages: run time, drain rate
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
+    gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
+                                            (created ms), for max_in_flight
+    gpulane:rate:<tenant>            HASH   the tenant's token bucket: tokens, at_ms
     gpulane:reaper:lock              STRING one reaper at a time (SET NX PX)
     gpulane:reaper:last              STRING Redis time of the last reaper pass (ms)
 
@@ -49,7 +52,9 @@ __all__ = [
     "job",
     "lua_prelude",
     "queue",
+    "rate",
     "stats",
+    "tenant_tasks",
     "wake",
     "worker",
 ]
@@ -64,23 +69,27 @@ METRICS = _P + "metrics"
 REAPER_LOCK = _P + "reaper:lock"
 REAPER_LAST = _P + "reaper:last"
 
-# One table drives both the Python functions and the Lua prelude: name -> (prefix, args).
-_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "queue": (_RQ + "queue:", ("cls",)),
-    "job": (_RQ + "job:", ("task_id",)),
-    "file": (_P + "file:", ("task_id",)),
-    "worker": (_P + "worker:", ("name",)),
-    "inflight": (_P + "inflight:", ("name", "cls")),
-    "idle": (_P + "idle:", ("cls",)),
-    "wake": (_P + "wake:", ("name",)),
-    "control": (_P + "control:", ("name",)),
-    "stats": (_P + "stats:", ("cls",)),
-    "idem": (_P + "idem:", ("tenant", "digest")),
+# One table drives both the Python functions and the Lua prelude:
+# name -> (prefix, argument names, suffix).
+_TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "queue": (_RQ + "queue:", ("cls",), ""),
+    "job": (_RQ + "job:", ("task_id",), ""),
+    "file": (_P + "file:", ("task_id",), ""),
+    "worker": (_P + "worker:", ("name",), ""),
+    "inflight": (_P + "inflight:", ("name", "cls"), ""),
+    "idle": (_P + "idle:", ("cls",), ""),
+    "wake": (_P + "wake:", ("name",), ""),
+    "control": (_P + "control:", ("name",), ""),
+    "stats": (_P + "stats:", ("cls",), ""),
+    "idem": (_P + "idem:", ("tenant", "digest"), ""),
+    "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
+    "rate": (_P + "rate:", ("tenant",), ""),
 }
 
 
 def _build(name: str, *parts: str) -> str:
-    return _TEMPLATES[name][0] + ":".join(parts)
+    prefix, _, suffix = _TEMPLATES[name]
+    return prefix + ":".join(parts) + suffix
 
 
 def queue(cls: str) -> str:
@@ -123,11 +132,19 @@ def idem(tenant: str, digest: str) -> str:
     return _build("idem", tenant, digest)
 
 
+def tenant_tasks(tenant: str) -> str:
+    return _build("tenant_tasks", tenant)
+
+
+def rate(tenant: str) -> str:
+    return _build("rate", tenant)
+
+
 def lua_prelude() -> str:
     """Lua table ``K`` with the same key builders, prepended to every script."""
     lines = ["local K = {}"]
-    for name, (prefix, args) in _TEMPLATES.items():
-        body = " .. ':' .. ".join(args)
+    for name, (prefix, args, suffix) in _TEMPLATES.items():
+        body = " .. ':' .. ".join(args) + (f" .. '{suffix}'" if suffix else "")
         lines.append(f"function K.{name}({', '.join(args)}) return '{prefix}' .. {body} end")
     for name, value in (
         ("RQ_QUEUES", RQ_QUEUES),

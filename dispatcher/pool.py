@@ -64,9 +64,12 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
 def _worker_view(
     name: str, info: dict[str, str], current: tuple[str, str] | None
 ) -> dict[str, Any]:
+    # The in-flight list is the truth about busy/idle; the published state lags a beat.
     state = info.get("state", "starting")
-    if state in ("idle", "busy"):
-        state = "busy" if current else "idle"
+    if current and state != "stopping":
+        state = "busy"
+    elif state == "busy":
+        state = "idle"
     heartbeat = info.get("last_heartbeat_ms")
     return {
         "name": name,

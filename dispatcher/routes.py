@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +16,13 @@ from dispatcher.auth import Authenticator, Principal
 from dispatcher.catalog import Catalog
 from dispatcher.errors import STORE_RETRY_AFTER_S, ApiError, error_body
 from dispatcher.metrics import Recorder
-from dispatcher.pool import ClassState, Pool
+from dispatcher.pool import ClassState, Pool, Snapshot
+from dispatcher.ratelimit import RateLimiter
 from dispatcher.settings import Settings
-from dispatcher.store import SubmitResult, TaskStore
+from dispatcher.store import Submission, SubmitResult, TaskStore
 from dispatcher.submission import parse_submission
 
-__all__ = ["Services", "router"]
+__all__ = ["Services", "caller", "router", "services"]
 
 router = APIRouter()
 
@@ -66,16 +68,39 @@ class Services:
     pool: Pool
     catalog: Catalog
     auth: Authenticator
+    limiter: RateLimiter
     recorder: Recorder
 
 
-def _services(request: Request) -> Services:
+def services(request: Request) -> Services:
     services: Services = request.app.state.services
     return services
 
 
-def _principal(request: Request) -> Principal:
-    return _services(request).auth.authenticate(request.headers.get("authorization"))
+def _headers(request: Request) -> dict[str, str]:
+    """Headers every response to this request carries, errors included."""
+    headers: dict[str, str] = getattr(request.state, "extra_headers", {})
+    return headers
+
+
+def _add_headers(request: Request, headers: dict[str, str]) -> None:
+    request.state.extra_headers = {**_headers(request), **headers}
+
+
+async def caller(request: Request, response: Response | None = None) -> Principal:
+    """Authenticate, then take one token from the tenant's rate limit (429 when empty)."""
+    svc = services(request)
+    principal = svc.auth.authenticate(request.headers.get("authorization"))
+    if principal.config is not None:
+        verdict = await svc.limiter.take(principal.config)
+        _add_headers(request, verdict.headers())
+        if response is not None:
+            response.headers.update(verdict.headers())
+        if not verdict.allowed:
+            if request.method == "POST":
+                svc.recorder.count("rejected", "-", "rate_limited")
+            raise verdict.refusal()
+    return principal
 
 
 def _backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:
@@ -90,7 +115,17 @@ def _class_headers(state: ClassState) -> dict[str, str]:
     return _backpressure(state.depth, state.estimated_wait_s, state.pressure)
 
 
-def _refusal(result: SubmitResult, state: ClassState) -> ApiError:
+def _refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiError:
+    if result.verdict == "over_quota":
+        retry = max(math.ceil(state.run_s), 1)  # about when one of its tasks ends
+        return ApiError(
+            429,
+            "rate_limited",
+            f"Tenant {sub.tenant!r} has {sub.max_in_flight} tasks queued or running, its "
+            f"max_in_flight; retry in {retry} s.",
+            headers={"Retry-After": str(retry)},
+            retry_after_s=retry,
+        )
     retry = admission.retry_after_s(result.depth, state.run_s, state.workers, state.config)
     headers = {
         **_backpressure(result.depth, result.estimated_wait_s, "full"),
@@ -103,27 +138,32 @@ def _refusal(result: SubmitResult, state: ClassState) -> ApiError:
     return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry)
 
 
-@router.post("/tasks", status_code=202, openapi_extra=_SUBMIT_BODY, tags=["tasks"])
-async def submit_task(request: Request) -> JSONResponse:
-    """Submit a task (JSON, or multipart with a `file`). 202 with its id and queue position."""
-    svc = _services(request)
-    snap = await svc.pool.cached()
-    request.state.extra_headers = _class_headers(snap.classes[svc.settings.default_class])
-    principal = _principal(request)
-    sub = await parse_submission(request, principal, svc.settings, svc.catalog)
+async def _submit(
+    svc: Services, sub: Submission, snap: Snapshot
+) -> tuple[SubmitResult, ClassState]:
     state = snap.classes[sub.cls]
-    request.state.extra_headers = _class_headers(state)
-
     result = await svc.store.submit(sub, state)
     if result.verdict == "no_workers":
         # The cached snapshot may predate a worker that just registered: look again
         # before refusing (cheap: with no live worker for the class there is little to read).
-        snap = await svc.pool.snapshot()
-        state = snap.classes[sub.cls]
+        state = (await svc.pool.snapshot()).classes[sub.cls]
         result = await svc.store.submit(sub, state)
-    if result.verdict in ("queue_full", "no_workers"):
+    return result, state
+
+
+@router.post("/tasks", status_code=202, openapi_extra=_SUBMIT_BODY, tags=["tasks"])
+async def submit_task(request: Request) -> JSONResponse:
+    """Submit a task (JSON, or multipart with a `file`). 202 with its id and queue position."""
+    svc = services(request)
+    snap = await svc.pool.cached()
+    _add_headers(request, _class_headers(snap.classes[svc.settings.default_class]))
+    principal = await caller(request)
+    sub = await parse_submission(request, principal, svc.settings, svc.catalog)
+    _add_headers(request, _class_headers(snap.classes[sub.cls]))
+    result, state = await _submit(svc, sub, snap)
+    if result.verdict in ("queue_full", "no_workers", "over_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
-        raise _refusal(result, state)
+        raise _refusal(result, state, sub)
     body: dict[str, Any] = {
         "id": result.task_id,
         "status": result.status,
@@ -132,64 +172,57 @@ async def submit_task(request: Request) -> JSONResponse:
         "position": None,
         "estimated_wait_s": None,
     }
+    headers = {**_headers(request), "Location": f"/tasks/{result.task_id}"}
     if result.verdict == "duplicate":
-        headers = {**_class_headers(state), "Idempotent-Replayed": "true"}
-        return JSONResponse(
-            body, status_code=200, headers={**headers, "Location": f"/tasks/{result.task_id}"}
-        )
+        headers["Idempotent-Replayed"] = "true"
+        return JSONResponse(body, status_code=200, headers=headers)
     svc.recorder.count("submitted", sub.cls, sub.task_type)
     est = result.estimated_wait_s
     body["position"] = result.depth - 1
     body["estimated_wait_s"] = round(est, 3) if est is not None else None
     pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
-    headers = {**_backpressure(result.depth, est, pressure), "Location": f"/tasks/{result.task_id}"}
+    headers.update(_backpressure(result.depth, est, pressure))
     return JSONResponse(body, status_code=202, headers=headers)
 
 
+def _not_found(task_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
+
+
 @router.get("/tasks/{task_id}", tags=["tasks"])
-async def get_task(task_id: str, request: Request) -> dict[str, Any]:
+async def get_task(task_id: str, request: Request, response: Response) -> dict[str, Any]:
     """The task record: status, position, progress, result or error, timings."""
-    svc = _services(request)
-    principal = _principal(request)
+    svc = services(request)
+    principal = await caller(request, response)
     record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
     if record is None:
-        raise ApiError(404, "not_found", f"No task {task_id!r}.")
+        raise _not_found(task_id)
     return record
 
 
 @router.delete("/tasks/{task_id}", tags=["tasks"])
 async def cancel_task(task_id: str, request: Request) -> JSONResponse:
     """Cancel: a queued task at once (200), a running one by its worker (202)."""
-    svc = _services(request)
-    principal = _principal(request)
+    svc = services(request)
+    principal = await caller(request)
     if len(task_id) > 64:
-        raise ApiError(404, "not_found", f"No task {task_id!r}.")
+        raise _not_found(task_id)
     result = await svc.store.cancel(task_id, principal.task_scope)
     if result.verdict == "not_found":
-        raise ApiError(404, "not_found", f"No task {task_id!r}.")
+        raise _not_found(task_id)
     if result.verdict == "conflict":
-        raise ApiError(
-            409,
-            "conflict",
-            f"Task {task_id!r} already ended ({result.status}).",
-            status=result.status,
-        )
+        message = f"Task {task_id!r} already ended ({result.status})."
+        raise ApiError(409, "conflict", message, status=result.status)
     record = await svc.store.get(task_id, principal.task_scope)
-    return JSONResponse(record, status_code=200 if result.verdict == "canceled" else 202)
-
-
-def _admin(request: Request) -> Principal:
-    principal = _principal(request)
-    if not principal.admin:
-        raise ApiError(404, "not_found", "No such route for this key.")
-    return principal
+    status = 200 if result.verdict == "canceled" else 202
+    return JSONResponse(record, status_code=status, headers=_headers(request))
 
 
 @router.get("/queues", tags=["pool"])
-async def queues(request: Request) -> dict[str, Any]:
+async def queues(request: Request, response: Response) -> dict[str, Any]:
     """Each class in priority order: depth, running, workers, waits and pressure."""
-    svc = _services(request)
-    principal = _principal(request)
+    svc = services(request)
+    principal = await caller(request, response)
     snap = await svc.pool.snapshot()
     return {
         "classes": [
@@ -199,10 +232,12 @@ async def queues(request: Request) -> dict[str, Any]:
 
 
 @router.get("/workers", tags=["pool"])
-async def workers(request: Request) -> dict[str, Any]:
-    """Live workers with device, state and current task (admin only when keys are set)."""
-    svc = _services(request)
-    _admin(request)
+async def workers(request: Request, response: Response) -> dict[str, Any]:
+    """Live workers with device, state and current task (admin keys only, when keys are set)."""
+    svc = services(request)
+    principal = await caller(request, response)
+    if not principal.admin:
+        raise ApiError(404, "not_found", "No route /workers for this key.")
     snap = await svc.pool.snapshot()
     return {"workers": snap.workers}
 
@@ -210,7 +245,7 @@ async def workers(request: Request) -> dict[str, Any]:
 @router.get("/health", tags=["pool"])
 async def health(request: Request, response: Response) -> dict[str, Any]:
     """200 while Redis answers, else 503."""
-    svc = _services(request)
+    svc = services(request)
     try:
         await svc.client.ping()
     except RedisError:

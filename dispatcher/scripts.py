@@ -36,6 +36,7 @@ NAMES = (
     "reap",
     "register",
     "unregister",
+    "ratelimit",
 )
 
 

@@ -53,6 +53,12 @@ class ClassConfig(BaseModel):
     default_timeout_s: float | None = Field(
         None, gt=0, description="Run-time limit of a task that names none; global default if unset."
     )
+    promote_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="A task of this class waiting longer is served before higher classes' "
+        "newer tasks on shared workers, so the class cannot starve.",
+    )
 
 
 class TenantConfig(BaseModel):
@@ -85,7 +91,7 @@ class TenantConfig(BaseModel):
 def _default_classes() -> dict[str, ClassConfig]:
     return {
         "interactive": ClassConfig(max_queued=200, max_wait_s=30, reject_without_workers=True),
-        "batch": ClassConfig(max_queued=10_000, max_wait_s=3600),
+        "batch": ClassConfig(max_queued=10_000, max_wait_s=3600, promote_after_s=300),
     }
 
 

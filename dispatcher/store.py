@@ -27,11 +27,12 @@ class Submission:
     file: FileMeta | None = None
     file_data: bytes = b""
     idempotency_key: str | None = None
+    max_in_flight: int = 0  # the tenant's quota of queued + running tasks; 0: none
 
 
 @dataclass(frozen=True)
 class SubmitResult:
-    verdict: str  # accepted | duplicate | queue_full | no_workers
+    verdict: str  # accepted | duplicate | queue_full | no_workers | over_quota
     task_id: str
     depth: int  # tasks in the class queue after this submit
     estimated_wait_s: float | None
@@ -73,6 +74,7 @@ class TaskStore:
             workers=state.workers,
             run_s=state.run_s,
             idem=digest,
+            max_in_flight=sub.max_in_flight,
             idem_ttl_s=self.settings.idempotency_ttl_s,
             classes=self.settings.class_names,
             **{"class": sub.cls},

@@ -218,4 +218,5 @@ async def parse_submission(
         file=meta,
         file_data=data,
         idempotency_key=_idempotency_key(request),
+        max_in_flight=principal.config.max_in_flight if principal.config else 0,
     )

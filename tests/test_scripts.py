@@ -22,7 +22,7 @@ def _submit(s: SyncScripts, cls: str = "batch") -> str:
     task_id = str(uuid.uuid4())
     opts = options(id=task_id, type="echo", tenant="t", timeout=60, ttl_s=3600, max_queued=100,
                    max_wait_s=1e9, reject_without_workers=False, workers=1, run_s=1.0, idem="",
-                   idem_ttl_s=60, classes=CLASSES, **{"class": cls})  # fmt: skip
+                   idem_ttl_s=60, classes=CLASSES, max_in_flight=0, **{"class": cls})  # fmt: skip
     assert s.run("submit", opts, encode_call("echo", {}), "")[0] == b"accepted"
     return task_id
 
@@ -33,7 +33,9 @@ def _register(s: SyncScripts, worker: str) -> None:
 
 
 def _claim(s: SyncScripts, worker: str) -> list | None:
-    return s.run("claim", options(worker=worker, classes=CLASSES, was_idle=False, device="{}"))
+    return s.run(
+        "claim", options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}")
+    )
 
 
 def _finish(s: SyncScripts, worker: str, task_id: str, result: dict) -> bytes:

@@ -48,6 +48,11 @@ class Broker:
         self._scripts = SyncScripts(client)
         self._all = settings.class_names
         self._wake_key = keys.wake(name)
+        self._aging = {
+            cls: int(cfg.promote_after_s * 1000)
+            for cls, cfg in settings.classes.items()
+            if cfg.promote_after_s is not None and cls in classes
+        }
 
     def _lease_opts(self) -> dict[str, Any]:
         return {**lease_options(self.settings), "worker": self.name}
@@ -67,7 +72,11 @@ class Broker:
 
     def claim(self, was_idle: bool, device_json: str) -> Claimed | None:
         opts = options(
-            worker=self.name, classes=self.classes, was_idle=was_idle, device=device_json
+            worker=self.name,
+            classes=self.classes,
+            aging=self._aging,
+            was_idle=was_idle,
+            device=device_json,
         )
         reply = self._scripts.run("claim", opts)
         if reply is None:

@@ -41,12 +41,22 @@ local function wake(cls, classes)
   return w
 end
 
--- Write a final status once: the record expires after ttl, the upload goes at once.
-local function finalize(id, status, now, ttl, extra)
+-- Write a final status once: the record expires after ttl, the upload goes at once,
+-- and the task stops counting against its tenant's max_in_flight (when it counted:
+-- `quota_tenant` is the tenant then, else false).
+local function finalize(id, status, now, ttl, extra, quota_tenant)
   local jk = K.job(id)
   redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, unpack(extra))
   redis.call('EXPIRE', jk, ttl)
   redis.call('DEL', K.file(id))
+  if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
+end
+
+-- The tenant whose max_in_flight a task counts against, from its 'tenant' and 'quota'
+-- fields, or false.
+local function quota_of(tenant, quota)
+  if quota == '1' and tenant then return tenant end
+  return false
 end
 
 -- Put a task back in its class queue, as if never started: at the head (it was
@@ -62,8 +72,10 @@ end
 -- Returns 'requeued', 'failed', 'canceled' or 'gone'.
 local function lose(id, cls, w, now, o)
   local jk = K.job(id)
-  local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel')
+  local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel', 'tenant',
+    'quota')
   if not f[1] or FINAL[f[1]] then return 'gone' end
+  local quota = quota_of(f[6], f[7])
   local lost = (tonumber(f[2]) or 0) + 1
   local history = f[4] and cjson.decode(f[4]) or {}
   history[#history + 1] = {worker = w, attempt = tonumber(f[3]) or 0, outcome = 'worker_lost',
@@ -71,14 +83,15 @@ local function lose(id, cls, w, now, o)
   local hist = cjson.encode(history)
   if f[5] == '1' then
     finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
-      cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})})
+      cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})},
+      quota)
     return 'canceled'
   end
   if lost >= o.max_attempts then
     finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error', cjson.encode({
       code = 'worker_lost',
       message = 'The worker running this task died ' .. lost .. ' times; giving up.',
-      attempts = history})})
+      attempts = history})}, quota)
     return 'failed'
   end
   requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)

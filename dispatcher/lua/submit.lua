@@ -3,7 +3,8 @@
 -- ARGV[1]: options (JSON, see dispatcher/store.py), ARGV[2]: the RQ call data,
 -- ARGV[3]: the uploaded file's bytes ('' when there is none).
 -- Returns {'accepted', id, depth_before, est_ms} | {'duplicate', id, status, class, type}
---       | {'no_workers'|'queue_full', '', depth, est_ms}. est_ms = -1: cannot estimate.
+--       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms}.
+-- est_ms = -1: cannot estimate (no live worker serves the class).
 local o = cjson.decode(ARGV[1])
 
 if o.idem ~= '' then
@@ -24,15 +25,20 @@ end
 if depth >= o.max_queued or (est_ms >= 0 and est_ms > o.max_wait_s * 1000) then
   return {'queue_full', '', depth, est_ms}
 end
+if o.max_in_flight > 0 and redis.call('ZCARD', K.tenant_tasks(o.tenant)) >= o.max_in_flight then
+  return {'over_quota', '', depth, est_ms}
+end
 
 local now = now_ms()
 local ts = iso(now)
 redis.call('HSET', K.job(o.id), 'data', ARGV[2], 'origin', o.class, 'status', 'queued',
   'created_at', ts, 'enqueued_at', ts, 'created_ms', now, 'description', o.type,
   'timeout', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
-  'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0')
+  'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0',
+  'quota', o.max_in_flight > 0 and '1' or '0')
 redis.call('RPUSH', K.queue(o.class), o.id)
 if ARGV[3] ~= '' then redis.call('SET', K.file(o.id), ARGV[3]) end
+if o.max_in_flight > 0 then redis.call('ZADD', K.tenant_tasks(o.tenant), now, o.id) end
 if o.idem ~= '' then redis.call('SET', K.idem(o.tenant, o.idem), o.id, 'EX', o.idem_ttl_s) end
 wake(o.class, o.classes)
 return {'accepted', o.id, depth, est_ms}
