@@ -1,20 +1,24 @@
-"""Observability routes: ``GET /metrics`` (Prometheus) and ``GET /stats`` (JSON for the
-dashboard).
+"""Observability routes: ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON for the
+dashboard) and ``GET /`` (the live dashboard, with its files under ``/static/``).
 
 Auth follows the pool routes: with API keys configured, ``/metrics`` needs an admin
 key like ``/workers`` (it lists every worker), ``/stats`` any key, filtered to the
-classes the key may use like ``/queues``.
+classes the key may use like ``/queues``. The dashboard page itself holds no data and
+is public; its script asks for a key when the API answers 401.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 
+from dispatcher.errors import ApiError
 from dispatcher.exporter import pool_families, read_recorded, render
 from dispatcher.routes import _admin, _principal, _services
 from dispatcher.stats import LatencyWindow, class_stats, latency_by_class
@@ -22,6 +26,42 @@ from dispatcher.stats import LatencyWindow, class_stats, latency_by_class
 __all__ = ["router"]
 
 router = APIRouter(tags=["observability"])
+
+# The page talks only to this origin and loads nothing from elsewhere: it works
+# offline, and an injected script or a CDN outage cannot change what it shows.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
+
+
+def _load_static() -> dict[str, tuple[bytes, str, str]]:
+    """name -> (bytes, content type, ETag). Read once: three small files, served from
+    memory, and an unknown name can never reach the file system."""
+    out = {}
+    for entry in resources.files("dispatcher").joinpath("static").iterdir():
+        suffix = "." + entry.name.rsplit(".", 1)[-1]
+        if entry.is_file() and suffix in _TYPES:
+            body = entry.read_bytes()
+            etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+            out[entry.name] = (body, f"{_TYPES[suffix]}; charset=utf-8", etag)
+    return out
+
+
+_STATIC = _load_static()
+
+
+def _asset(name: str, request: Request) -> Response:
+    found = _STATIC.get(name)
+    if found is None:
+        raise ApiError(404, "not_found", f"No route {request.url.path}.")
+    body, content_type, etag = found
+    # no-cache: revalidate every load (a 304 is tiny), so an upgrade shows at once.
+    headers = {"ETag": etag, "Cache-Control": "no-cache", "Content-Security-Policy": _CSP}
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    return Response(body, headers=headers, media_type=content_type)
 
 
 @router.get(
@@ -75,3 +115,15 @@ async def stats(request: Request) -> dict[str, Any]:
             if principal.may_use(cls)
         ]
     }
+
+
+@router.get("/", summary="Live dashboard (HTML)", response_class=HTMLResponse)
+async def dashboard(request: Request) -> Response:
+    """Queues, latency, rejections and workers, refreshed every second from `/queues`,
+    `/workers` and `/stats`. Self-contained: no CDN, works offline."""
+    return _asset("index.html", request)
+
+
+@router.get("/static/{name}", include_in_schema=False)
+async def static_file(name: str, request: Request) -> Response:
+    return _asset(name, request)
