@@ -23,10 +23,12 @@ run: $(VENV)/.run-deps ## the whole stack: private Redis, API, one worker per GP
 
 test: $(VENV)/.dev-deps ## the default suite (slow fault tests: make test-all)
 	@scripts/ensure-redis.sh
+	@scripts/ensure-test-tools.sh
 	$(BIN)/pytest
 
 test-all: $(VENV)/.dev-deps
 	@scripts/ensure-redis.sh
+	@scripts/ensure-test-tools.sh
 	$(BIN)/pytest -m ''
 
 lint: $(VENV)/.dev-deps
