@@ -113,7 +113,7 @@ def test_dashboard_shows_the_live_pool(
     assert "cpu-worker-1" in view.text("#worker-rows")
     # Load arrives in bursts while the page watches, so the chart has a shape: the
     # batch queue fills to its limit (the excess is refused) and drains in between.
-    _submit_burst(http, 9, 1.5)
+    _submit_burst(http, 12, 1.5)  # 2 run, 6 queue, the rest refused
     view.wait(
         lambda: (
             view.page.locator("polyline.s1").count() == 1
