@@ -23,10 +23,12 @@ run: $(VENV)/.run-deps ## the whole stack: private Redis, API, one worker per GP
 
 test: $(VENV)/.dev-deps ## the default suite, a few minutes on 2 cores
 	@scripts/ensure-redis.sh
+	@scripts/ensure-test-tools.sh
 	$(BIN)/pytest
 
 test-slow: $(VENV)/.dev-deps ## the slow fault tests (chaos); CI runs them too
 	@scripts/ensure-redis.sh
+	@scripts/ensure-test-tools.sh
 	$(BIN)/pytest -m slow
 
 lint: $(VENV)/.dev-deps

@@ -1,0 +1,131 @@
+"""Helpers for the observability tests: scraping and checking /metrics, a simulated GPU
+worker, headless Chromium, and reading JSON log files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from dispatcher import keys
+from worker.devices import Device
+from worker.state import WorkerState
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / ".test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+# Headless and quiet: no sandbox (containers run as root), no GPU, no network calls home.
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@dataclass
+class Scrape:
+    """One /metrics response, parsed by prometheus_client's own text parser."""
+
+    text: str
+    families: dict[str, Metric]
+
+    def value(self, sample_name: str, **labels: str) -> float | None:
+        """The value of the sample with exactly these labels, None when absent."""
+        for family in self.families.values():
+            for sample in family.samples:
+                if sample.name == sample_name and sample.labels == labels:
+                    return float(sample.value)
+        return None
+
+    def series(self, sample_name: str) -> list[dict[str, str]]:
+        """Label sets of every sample of that name."""
+        return [
+            dict(s.labels)
+            for family in self.families.values()
+            for s in family.samples
+            if s.name == sample_name
+        ]
+
+    def buckets(self, histogram: str, **labels: str) -> list[tuple[float, float]]:
+        """(le, cumulative count) of one histogram series, in exposition order."""
+        out = []
+        for labelset in self.series(f"{histogram}_bucket"):
+            le = labelset.pop("le")
+            if labelset == labels:
+                value = self.value(f"{histogram}_bucket", **labels, le=le)
+                out.append((float(le), value or 0.0))
+        return out
+
+
+def scrape(http: httpx.Client, **headers: str) -> Scrape:
+    response = http.get("/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    return Scrape(response.text, families)
+
+
+def promtool_check(text: str) -> subprocess.CompletedProcess[str]:
+    """`promtool check metrics`: the exposition format and Prometheus' naming lints."""
+    binary = shutil.which("promtool")
+    assert binary, "promtool is not installed (make test installs it)"
+    return subprocess.run(
+        [binary, "check", "metrics"],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def fake_gpu_worker(
+    client: redis.Redis,
+    name: str,
+    utilization: float,
+    used_bytes: int,
+    total_bytes: int,
+    index: int = 0,
+) -> None:
+    """Publish a live worker on a GPU without one: the worker hash is built by the real
+    WorkerState, so only NVML's sample is made up. Its lease lasts an hour (it never
+    beats, and must not be reaped during the test)."""
+    device = Device("gpu", index, f"GPU-{index:04d}-test", "NVIDIA H100 80GB HBM3", total_bytes)
+    state = WorkerState(name, device, ["interactive", "batch"], ["echo", "sleep"])
+    state.set("idle")
+    state.device_sample = {
+        "utilization": utilization,
+        "memory_used_bytes": used_bytes,
+        "memory_total_bytes": total_bytes,
+    }
+    now_ms = int(time.time() * 1000)
+    client.hset(keys.worker(name), mapping={**state.info(), "last_heartbeat_ms": now_ms})
+    client.zadd(keys.WORKERS, {name: now_ms + 3_600_000})
+
+
+def publish_catalog(client: redis.Redis) -> None:
+    """Make the built-in and test task types known with no worker running (admission
+    refuses unknown types before it looks at workers)."""
+    from support.catalog import publish_builtin_catalog
+
+    publish_builtin_catalog(client)
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of a log file, each parsed as JSON (a torn last line that
+    is still being written is left out; anything else that is not JSON fails)."""
+    text = path.read_text(errors="replace")
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
