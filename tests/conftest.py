@@ -101,14 +101,18 @@ def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Wor
         wait: bool = True,
         extra: list[str] | None = None,
         redis_url_override: str | None = None,
+        env: dict[str, str] | None = None,
         **settings: Any,
     ) -> WorkerProcess:
         name = name or f"w{len(started)}-{request.node.name[:20]}"
         args = ["--gpu", "none", "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"]
         if classes:
             args += ["--classes", classes]
-        env = worker_env(redis_url_override or redis_url, **{**FAST, **settings})
-        proc = WorkerProcess(name, env, args + (extra or []))
+        environment = {
+            **worker_env(redis_url_override or redis_url, **{**FAST, **settings}),
+            **(env or {}),
+        }
+        proc = WorkerProcess(name, environment, args + (extra or []))
         started.append(proc)
         if wait:
             watch = redis.Redis.from_url(redis_url_override) if redis_url_override else client
