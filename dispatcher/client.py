@@ -15,6 +15,7 @@ carrying the server's ``error`` code.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -108,8 +109,6 @@ def _submit_request(
         content = file.read()
     form = {k: v for k, v in (("type", task_type), ("class", cls)) if v}
     if args:
-        import json
-
         form["args"] = json.dumps(args)
     if timeout_s is not None:
         form["timeout_s"] = str(timeout_s)
@@ -160,7 +159,24 @@ class _Base:
         self.max_retries = max_retries
         self.max_delay_s = max_delay_s
 
-    def _result(self, response: httpx.Response) -> dict[str, Any]:
+    def _kwargs(self, req: _Request) -> dict[str, Any]:
+        return {
+            "json": req.json,
+            "data": req.data,
+            "files": req.files,
+            "headers": {**self.headers, **(req.headers or {})},
+        }
+
+    def _retry_in(self, attempt: int, response: httpx.Response | None) -> float | None:
+        """Seconds to wait before trying again, or None to stop here. A transport error
+        (``response`` None) or a 429/503 is retried while attempts remain."""
+        if attempt >= self.max_retries or (response is not None and not _retryable(response)):
+            return None
+        return _delay(attempt, response, self.max_delay_s)
+
+    def _result(self, response: httpx.Response | None) -> dict[str, Any]:
+        if response is None:
+            raise httpx.ConnectError(f"cannot reach {self.url} (after {self.max_retries} retries)")
         if response.status_code >= 400:
             raise _error(response)
         result: dict[str, Any] = response.json()
@@ -193,26 +209,17 @@ class Client(_Base):
         self._http.close()
 
     def _send(self, req: _Request) -> dict[str, Any]:
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while True:
             try:
-                response = self._http.request(
-                    req.method,
-                    req.path,
-                    json=req.json,
-                    data=req.data,
-                    files=req.files,
-                    headers={**self.headers, **(req.headers or {})},
-                )
+                response = self._http.request(req.method, req.path, **self._kwargs(req))
             except httpx.TransportError:
-                if attempt == self.max_retries:
-                    raise
-                time.sleep(_delay(attempt, None, self.max_delay_s))
-                continue
-            if _retryable(response) and attempt < self.max_retries:
-                time.sleep(_delay(attempt, response, self.max_delay_s))
-                continue
-            return self._result(response)
-        raise AssertionError("unreachable")
+                response = None
+            delay = self._retry_in(attempt, response)
+            if delay is None:
+                return self._result(response)
+            time.sleep(delay)
+            attempt += 1
 
     def submit(
         self,
@@ -288,26 +295,17 @@ class AsyncClient(_Base):
         await self._http.aclose()
 
     async def _send(self, req: _Request) -> dict[str, Any]:
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while True:
             try:
-                response = await self._http.request(
-                    req.method,
-                    req.path,
-                    json=req.json,
-                    data=req.data,
-                    files=req.files,
-                    headers={**self.headers, **(req.headers or {})},
-                )
+                response = await self._http.request(req.method, req.path, **self._kwargs(req))
             except httpx.TransportError:
-                if attempt == self.max_retries:
-                    raise
-                await asyncio.sleep(_delay(attempt, None, self.max_delay_s))
-                continue
-            if _retryable(response) and attempt < self.max_retries:
-                await asyncio.sleep(_delay(attempt, response, self.max_delay_s))
-                continue
-            return self._result(response)
-        raise AssertionError("unreachable")
+                response = None
+            delay = self._retry_in(attempt, response)
+            if delay is None:
+                return self._result(response)
+            await asyncio.sleep(delay)
+            attempt += 1
 
     async def submit(
         self,
