@@ -11,13 +11,17 @@ Workers refuse any other call (invariant 3): nothing names a function to run.
 
 Hash fields. RQ's: ``data``, ``origin`` (the class), ``status`` (RQ's vocabulary, see
 :data:`PUBLIC_STATUS`), ``created_at``, ``enqueued_at``, ``started_at``, ``ended_at``,
-``last_heartbeat`` (ISO 8601, Redis clock), ``description``, ``timeout``,
-``result_ttl``, ``failure_ttl``, ``worker_name``, ``result`` (JSON).
-gpulane's: ``type``, ``tenant``, ``created_ms``, ``started_ms``, ``ended_ms`` (epoch ms,
-Redis clock, so hosts with skewed clocks agree), ``attempts`` (times started), ``lost``
-(times its worker died holding it), ``has_file``, ``progress`` and ``error`` (JSON
-objects), ``device`` (JSON of the worker's device), ``history`` (JSON list of
-attempts that did not end normally), ``cancel`` (``1`` once a cancel was requested).
+``last_heartbeat`` (ISO 8601, Redis clock), ``description``, ``timeout`` (whole
+seconds, as RQ reads it), ``result_ttl``, ``failure_ttl``, ``worker_name``, ``result``
+(JSON).
+
+gpulane's: ``type``, ``tenant``, ``timeout_s`` (the exact limit); ``created_ms``,
+``started_ms``, ``ended_ms`` (epoch ms, Redis clock, so hosts with skewed clocks
+agree); ``attempts`` (times started); ``lost`` (times its worker died holding it);
+``quota`` (``1`` when it counts against its tenant's max_in_flight); ``has_file``;
+``progress`` and ``error`` (JSON objects); ``device`` (JSON of the worker's device);
+``history`` (JSON list of attempts that did not end normally); ``cancel`` (``1`` once
+a cancel was requested).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     body = await _limited(request, settings.max_body_bytes, "request body").body()
     try:
         fields = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
     if not isinstance(fields, dict):
         raise ApiError(400, "invalid_request", "The body must be a JSON object.")
@@ -106,7 +106,7 @@ async def _form_fields(
     if "args" in fields:
         try:
             fields["args"] = json.loads(fields["args"])
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
     if "timeout_s" in fields:
         try:

@@ -147,8 +147,9 @@ def test_job_is_a_real_rq_job(
     http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
 ) -> None:
     start_worker(classes="interactive")  # registers the catalog, never takes batch
-    task = submit(http, "sleep", {"seconds": 2})
+    task = submit(http, "sleep", {"seconds": 2}, timeout_s=2.5)
     job = Job.fetch(task["id"], connection=r, serializer=JSONSerializer)
+    assert job.timeout == 3  # RQ reads whole seconds; the worker uses the exact 2.5
     assert job.func_name == ENTRY_POINT
     assert job.args == ["sleep", {"seconds": 2}]
     assert job.origin == "batch" and job.get_status() == "queued"

@@ -65,6 +65,9 @@ def test_malformed_json(http: httpx.Client, known: None) -> None:
     )
     assert "JSON" in body["message"]
     _error(http.post("/tasks", content=b'["echo"]', headers=headers), 400, "invalid_request")
+    # Nesting deep enough to exhaust the parser's recursion: a 400, not a 500.
+    nested = b'{"type": "echo", "args": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    _error(http.post("/tasks", content=nested, headers=headers), 400, "invalid_request")
 
 
 def test_unknown_field_and_missing_type(http: httpx.Client, known: None) -> None:

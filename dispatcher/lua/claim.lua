@@ -17,7 +17,7 @@ local function take(c)
   while true do
     local id = redis.call('LMOVE', K.queue(c), ik, 'LEFT', 'RIGHT')
     if not id then return nil end
-    local f = redis.call('HMGET', K.job(id), 'status', 'data', 'attempts', 'timeout',
+    local f = redis.call('HMGET', K.job(id), 'status', 'data', 'attempts', 'timeout_s',
       'created_ms', 'has_file')
     if f[1] == 'queued' and f[2] then return id, f end
     redis.call('LREM', ik, 0, id)

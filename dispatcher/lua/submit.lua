@@ -33,7 +33,7 @@ local now = now_ms()
 local ts = iso(now)
 redis.call('HSET', K.job(o.id), 'data', ARGV[2], 'origin', o.class, 'status', 'queued',
   'created_at', ts, 'enqueued_at', ts, 'created_ms', now, 'description', o.type,
-  'timeout', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
+  'timeout', math.ceil(o.timeout), 'timeout_s', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
   'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0',
   'quota', o.max_in_flight > 0 and '1' or '0')
 redis.call('RPUSH', K.queue(o.class), o.id)
