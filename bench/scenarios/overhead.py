@@ -63,7 +63,7 @@ class Size:
 
 SIZES = {
     "smoke": Size(latency=5, windows=2, tasks_1=100, tasks_4=150, background_s=0.3),
-    "quick": Size(latency=150, windows=10, tasks_1=1500, tasks_4=2000, background_s=2.0),
+    "quick": Size(latency=120, windows=10, tasks_1=800, tasks_4=1000, background_s=2.0),
     "full": Size(latency=1000, windows=30, tasks_1=10_000, tasks_4=15_000, background_s=5.0),
 }
 
