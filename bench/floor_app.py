@@ -5,9 +5,9 @@ machine with no gpulane code, to separate the framework's floor from gpulane's c
   body and answers 202 with a body and headers shaped like gpulane's.
 - ``bench.floor_app:redis_app``: the same plus one ``submit.lua`` call per request
   (what gpulane's submit costs in Redis), without validation, admission or metrics.
-- ``bench.floor_app:pipelined_app``: the same call, but submits that arrive while one
-  is in flight are sent together as one pipeline (:class:`Coalescer`): a prototype of
-  the change proposed for ``TaskStore.submit``, to measure what it would buy.
+
+:class:`Coalescer` is the prototype of the change proposed for ``TaskStore.submit``
+(used by :mod:`bench.whatif_api`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
 from dispatcher.jobs import encode_call
-from dispatcher.scripts import AsyncScripts, options, source
+from dispatcher.scripts import AsyncScripts, options
 
 HEADERS = {"Gpulane-Queue-Depth": "1", "Gpulane-Estimated-Wait": "-1", "Gpulane-Pressure": "ok"}
 
@@ -55,22 +55,26 @@ class Coalescer:
     """Runs ``submit.lua`` calls; those issued while a round trip is in flight wait and
     go together in the next pipeline (no added delay when calls do not overlap)."""
 
-    def __init__(self, client: Redis, sha: str) -> None:
+    def __init__(self, client: Redis, script: str) -> None:
         self.client = client
-        self.sha = sha
+        self.script = script
+        self.sha: str | None = None
         self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self.busy = False
+        self._task: asyncio.Task[None] | None = None
 
     async def call(self, *args: Any) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending.append((args, future))
         if not self.busy:
             self.busy = True
-            asyncio.get_running_loop().create_task(self._flush())
+            self._task = asyncio.get_running_loop().create_task(self._flush())
         return await future
 
     async def _flush(self) -> None:
         try:
+            if self.sha is None:
+                self.sha = str(await self.client.script_load(self.script))
             while self.pending:
                 batch, self.pending = self.pending, []
                 pipe = self.client.pipeline(transaction=False)
@@ -113,14 +117,11 @@ def _submit_args(body: dict[str, Any], task_id: str) -> tuple[str, bytes, bytes]
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     client = Redis.from_url(os.environ["GPULANE_REDIS_URL"], socket_timeout=5)
     app.state.scripts = AsyncScripts(client)
-    sha = await client.script_load(source("submit"))
-    app.state.coalescer = Coalescer(client, sha)
     yield
     await client.aclose()
 
 
 redis_app = FastAPI(lifespan=_lifespan)
-pipelined_app = FastAPI(lifespan=_lifespan)
 
 
 @redis_app.post("/tasks")
@@ -128,12 +129,4 @@ async def redis_submit(request: Request) -> JSONResponse:
     body = json.loads(await request.body())
     task_id = str(uuid.uuid4())
     await request.app.state.scripts.run("submit", *_submit_args(body, task_id))
-    return _reply(task_id, body)
-
-
-@pipelined_app.post("/tasks")
-async def pipelined_submit(request: Request) -> JSONResponse:
-    body = json.loads(await request.body())
-    task_id = str(uuid.uuid4())
-    await request.app.state.coalescer.call(*_submit_args(body, task_id))
     return _reply(task_id, body)

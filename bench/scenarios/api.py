@@ -6,11 +6,13 @@ published (as workers publish it) and class limits raised so nothing is refused.
 closed-loop generator (:mod:`bench.loadgen`) keeps 16, then 64, keep-alive
 connections busy with JSON submits of ``sleep``.
 
-To tell where the time goes, the same load at the highest concurrency runs side by
-side against two reference apps under the same uvicorn settings
-(:mod:`bench.floor_app`: a bare FastAPI route, and the same plus one ``submit.lua``
-call through redis-py), and :mod:`bench.asgi_costs` measures CPU per request inside
-the process with and without the Redis call.
+To tell where the time goes, the same load at the highest concurrency then runs, in
+the same run, against reference servers under the same uvicorn settings: a bare
+FastAPI route and the same plus one ``submit.lua`` call (:mod:`bench.floor_app`), and
+what-if builds of the real app (:mod:`bench.whatif_api`: ``gc.freeze()`` after
+startup, plus pipelined submits, two uvicorn processes, and all of it together).
+:mod:`bench.asgi_costs` measures CPU per request inside the process with and without
+the Redis call.
 """
 
 from __future__ import annotations
@@ -28,16 +30,30 @@ import redis
 import uvloop
 
 from bench import asgi_costs, loadgen
-from bench.harness import Proc, Stack, free_port, rss_mb, wait_for
+from bench.harness import Proc, Stack, classes_json, free_port, rss_mb, wait_for
 from bench.report import Report, Table, Target, figure, pct, save
 from dispatcher import keys
 
 CLASSES = ["interactive", "batch"]
 BODY = {"type": "sleep", "class": "batch", "args": {"seconds": 1}}
-FLOORS = {
-    "bench.floor_app:redis_app": "FastAPI + one submit.lua call (redis-py)",
-    "bench.floor_app:pipelined_app": "FastAPI + submit.lua, concurrent calls pipelined",
-    "bench.floor_app:fastapi_app": "bare FastAPI route (no Redis)",
+# Servers run side by side with gpulane at the highest concurrency: label -> uvicorn args.
+REFERENCES = {
+    "reference: bare FastAPI route (no Redis)": ["bench.floor_app:fastapi_app"],
+    "reference: FastAPI + one submit.lua call": ["bench.floor_app:redis_app"],
+    "what-if: gpulane + gc.freeze() after startup": ["bench.whatif_api:frozen", "--factory"],
+    "what-if: gc.freeze() + pipelined submits": ["bench.whatif_api:tuned", "--factory"],
+    "what-if: gpulane unchanged, 2 uvicorn processes": [
+        "bench.whatif_api:stock",
+        "--factory",
+        "--workers",
+        "2",
+    ],
+    "what-if: gc.freeze() + pipelined, 2 processes": [
+        "bench.whatif_api:tuned",
+        "--factory",
+        "--workers",
+        "2",
+    ],
 }
 
 
@@ -51,7 +67,7 @@ class Size:
 
 SIZES = {
     "smoke": Size(seconds=0.7, warmup_s=0.2, asgi_requests=50),
-    "quick": Size(seconds=5.0, warmup_s=1.0),
+    "quick": Size(seconds=3.0, warmup_s=0.5, asgi_requests=1000),
     "full": Size(seconds=20.0, warmup_s=2.0, asgi_requests=10_000),
 }
 
@@ -66,9 +82,12 @@ def publish_catalog(client: redis.Redis) -> None:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used so far."""
+    """User + system CPU seconds a process and its children (uvicorn workers) used."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = children.read_text().split() if children.exists() else []
+    return own + sum(cpu_s(int(kid)) for kid in kids if Path(f"/proc/{kid}").exists())
 
 
 def load(server: Proc, url: str, clients: int, size: Size) -> dict[str, Any]:
@@ -93,33 +112,22 @@ def load(server: Proc, url: str, clients: int, size: Size) -> dict[str, Any]:
     }
 
 
-def _floor(stack: Stack, app: str, size: Size) -> dict[str, Any]:
+def _reference(stack: Stack, label: str, args: list[str], size: Size) -> dict[str, Any]:
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        app,
-        "--port",
-        str(port),
-        "--loop",
-        "uvloop",
-        "--http",
-        "httptools",
-        "--no-access-log",
-        "--log-level",
-        "warning",
-    ]
-    proc = stack.spawn(app.rsplit(":", 1)[1], argv, stack.env())
+    argv = [sys.executable, "-m", "uvicorn", *args, "--port", str(port), "--loop", "uvloop"]
+    argv += ["--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    proc = stack.spawn(args[0].rsplit(":", 1)[1], argv, stack.env(classes=classes_json(CLASSES)))
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
+        if not proc.alive():
+            raise RuntimeError(f"{label} exited:\n{proc.tail()}")
         try:
             return httpx.post(f"{url}/tasks", json=BODY, timeout=1).status_code == 202
         except httpx.HTTPError:
             return False
 
-    wait_for(up, 30, app)
+    wait_for(up, 30, label)
     result = load(proc, url, max(size.concurrency), size)
     proc.stop()
     return result
@@ -132,7 +140,9 @@ def measure(size: Size) -> dict[str, Any]:
         data: dict[str, Any] = {"levels": [load(api, url, c, size) for c in size.concurrency]}
         data["rss"] = rss_mb(api.pid)
         api.stop()
-        data["floors"] = {app: _floor(stack, app, size) for app in FLOORS}
+        data["refs"] = {
+            label: _reference(stack, label, args, size) for label, args in REFERENCES.items()
+        }
         data["asgi"] = uvloop.run(asgi_costs.measure(stack.url, CLASSES, BODY, size.asgi_requests))
     return data
 
@@ -179,10 +189,10 @@ def _row(label: str, lv: dict[str, Any]) -> list[Any]:
 
 def _load_tables(report: Report, data: dict[str, Any]) -> None:
     rows = [_row("gpulane api", lv) for lv in data["levels"]]
-    rows += [_row(FLOORS[app], lv) for app, lv in data["floors"].items()]
+    rows += [_row(label, lv) for label, lv in data["refs"].items()]
     report.tables.append(
         Table(
-            "Accepted HTTP submits (202) per second, closed loop, one uvicorn process each",
+            "Accepted HTTP submits (202) per second, closed loop",
             [
                 "server",
                 "clients",
@@ -201,23 +211,26 @@ def _load_tables(report: Report, data: dict[str, Any]) -> None:
 
 
 def _cost_tables(report: Report, data: dict[str, Any]) -> None:
-    a = data["asgi"]
-    http_cpu = data["levels"][-1]["cpu_us_per_request"]
+    a, refs = data["asgi"], list(data["refs"].values())
+    bare, one_call, gpulane = (refs[0], refs[1], data["levels"][-1])
+    cpu = [lv["cpu_us_per_request"] for lv in (bare, one_call, gpulane)]
     rows = [
-        ["whole request over HTTP (gpulane api, highest concurrency)", http_cpu],
-        ["  uvicorn + httptools + event loop (HTTP minus in-process)", http_cpu - a["real"]],
-        ["  in-process app, real Redis", a["real"]],
-        ["    redis-py submit.lua call (real minus stubbed)", a["real"] - a["stub"]],
-        ["    gpulane request logic (stubbed minus bare FastAPI)", a["stub"] - a["bare"]],
-        ["    FastAPI/Starlette floor (bare route, in-process)", a["bare"]],
+        ["over HTTP, under load: bare FastAPI route (uvicorn + framework floor)", cpu[0]],
+        ["  + one submit.lua call through redis-py asyncio", cpu[1] - cpu[0]],
+        ["  + gpulane's request logic (everything else in the real app)", cpu[2] - cpu[1]],
+        ["  = gpulane api", cpu[2]],
+        ["in process, one request at a time: real app, real Redis", a["real"]],
+        ["  redis-py submit.lua call (real minus Redis stubbed)", a["real"] - a["stub"]],
+        ["  gpulane request logic (stubbed minus bare FastAPI)", a["stub"] - a["bare"]],
+        ["  FastAPI/Starlette floor (bare route)", a["bare"]],
     ]
     report.tables.append(
         Table(
             "Where a submit's CPU goes (us per request)",
             ["part", "CPU us"],
             rows,
-            "In-process figures drive the ASGI app one request at a time (no concurrency); "
-            "the HTTP figure is under load, so the split is approximate.",
+            "Over HTTP: server CPU per request of the side-by-side runs above (64 clients). "
+            "In process: the ASGI app driven directly, without uvicorn or concurrency.",
         )
     )
     report.tables.append(
@@ -233,13 +246,16 @@ def _cost_tables(report: Report, data: dict[str, Any]) -> None:
 def _chart(data: dict[str, Any], outdir: Path) -> str:
     fig, (left, right) = figure(9.0, 3.4, ncols=2)
     bars = [(f"gpulane\n{lv['clients']} cl.", lv["accepted_per_s"]) for lv in data["levels"]]
-    short = {
-        "redis_app": "FastAPI\n+ submit",
-        "pipelined_app": "FastAPI\n+ pipelined",
-        "fastapi_app": "bare\nFastAPI",
-    }
+    short = [
+        "bare\nFastAPI",
+        "+ one\nsubmit",
+        "freeze",
+        "freeze +\npipelined",
+        "2 procs",
+        "tuned,\n2 procs",
+    ]
     bars += [
-        (short[app.rsplit(":", 1)[1]], lv["accepted_per_s"]) for app, lv in data["floors"].items()
+        (name, lv["accepted_per_s"]) for name, lv in zip(short, data["refs"].values(), strict=True)
     ]
     left.bar([b[0] for b in bars], [b[1] for b in bars])
     left.axhline(1500, color="grey", linestyle=":", label="target 1,500/s")
