@@ -37,9 +37,11 @@ from dispatcher import keys
 CLASSES = ["interactive", "batch"]
 BODY = {"type": "sleep", "class": "batch", "args": {"seconds": 1}}
 # Servers run side by side with gpulane at the highest concurrency: label -> uvicorn args.
+BARE = "reference: bare FastAPI route (no Redis)"
+ONE_CALL = "reference: FastAPI + one submit.lua call"
 REFERENCES = {
-    "reference: bare FastAPI route (no Redis)": ["bench.floor_app:fastapi_app"],
-    "reference: FastAPI + one submit.lua call": ["bench.floor_app:redis_app"],
+    BARE: ["bench.floor_app:fastapi_app"],
+    ONE_CALL: ["bench.floor_app:redis_app"],
     "what-if: gpulane + gc.freeze() after startup": ["bench.whatif_api:frozen", "--factory"],
     "what-if: gc.freeze() + pipelined submits": ["bench.whatif_api:tuned", "--factory"],
     "what-if: gpulane unchanged, 2 uvicorn processes": [
@@ -55,6 +57,20 @@ REFERENCES = {
         "2",
     ],
 }
+SHORT = dict(
+    zip(
+        REFERENCES,
+        [
+            "bare\nFastAPI",
+            "+ one\nsubmit",
+            "freeze",
+            "freeze +\npipelined",
+            "2 procs",
+            "tuned,\n2 procs",
+        ],
+        strict=True,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -63,10 +79,11 @@ class Size:
     warmup_s: float
     concurrency: tuple[int, ...] = (16, 64)
     asgi_requests: int = 2000
+    references: tuple[int, ...] = tuple(range(len(REFERENCES)))  # which to run
 
 
 SIZES = {
-    "smoke": Size(seconds=0.7, warmup_s=0.2, asgi_requests=50),
+    "smoke": Size(seconds=0.5, warmup_s=0.2, asgi_requests=50, references=(0, 5)),
     "quick": Size(seconds=3.0, warmup_s=0.5, asgi_requests=1000),
     "full": Size(seconds=20.0, warmup_s=2.0, asgi_requests=10_000),
 }
@@ -140,9 +157,8 @@ def measure(size: Size) -> dict[str, Any]:
         data: dict[str, Any] = {"levels": [load(api, url, c, size) for c in size.concurrency]}
         data["rss"] = rss_mb(api.pid)
         api.stop()
-        data["refs"] = {
-            label: _reference(stack, label, args, size) for label, args in REFERENCES.items()
-        }
+        chosen = [item for i, item in enumerate(REFERENCES.items()) if i in size.references]
+        data["refs"] = {label: _reference(stack, label, args, size) for label, args in chosen}
         data["asgi"] = uvloop.run(asgi_costs.measure(stack.url, CLASSES, BODY, size.asgi_requests))
     return data
 
@@ -211,14 +227,17 @@ def _load_tables(report: Report, data: dict[str, Any]) -> None:
 
 
 def _cost_tables(report: Report, data: dict[str, Any]) -> None:
-    a, refs = data["asgi"], list(data["refs"].values())
-    bare, one_call, gpulane = (refs[0], refs[1], data["levels"][-1])
-    cpu = [lv["cpu_us_per_request"] for lv in (bare, one_call, gpulane)]
-    rows = [
-        ["over HTTP, under load: bare FastAPI route (uvicorn + framework floor)", cpu[0]],
-        ["  + one submit.lua call through redis-py asyncio", cpu[1] - cpu[0]],
-        ["  + gpulane's request logic (everything else in the real app)", cpu[2] - cpu[1]],
-        ["  = gpulane api", cpu[2]],
+    a, refs = data["asgi"], data["refs"]
+    rows: list[list[Any]] = []
+    if BARE in refs and ONE_CALL in refs:
+        cpu = [lv["cpu_us_per_request"] for lv in (refs[BARE], refs[ONE_CALL], data["levels"][-1])]
+        rows += [
+            ["over HTTP, under load: bare FastAPI route (uvicorn + framework floor)", cpu[0]],
+            ["  + one submit.lua call through redis-py asyncio", cpu[1] - cpu[0]],
+            ["  + gpulane's request logic (everything else in the real app)", cpu[2] - cpu[1]],
+            ["  = gpulane api", cpu[2]],
+        ]
+    rows += [
         ["in process, one request at a time: real app, real Redis", a["real"]],
         ["  redis-py submit.lua call (real minus Redis stubbed)", a["real"] - a["stub"]],
         ["  gpulane request logic (stubbed minus bare FastAPI)", a["stub"] - a["bare"]],
@@ -246,17 +265,7 @@ def _cost_tables(report: Report, data: dict[str, Any]) -> None:
 def _chart(data: dict[str, Any], outdir: Path) -> str:
     fig, (left, right) = figure(9.0, 3.4, ncols=2)
     bars = [(f"gpulane\n{lv['clients']} cl.", lv["accepted_per_s"]) for lv in data["levels"]]
-    short = [
-        "bare\nFastAPI",
-        "+ one\nsubmit",
-        "freeze",
-        "freeze +\npipelined",
-        "2 procs",
-        "tuned,\n2 procs",
-    ]
-    bars += [
-        (name, lv["accepted_per_s"]) for name, lv in zip(short, data["refs"].values(), strict=True)
-    ]
+    bars += [(SHORT[label], lv["accepted_per_s"]) for label, lv in data["refs"].items()]
     left.bar([b[0] for b in bars], [b[1] for b in bars])
     left.axhline(1500, color="grey", linestyle=":", label="target 1,500/s")
     left.set_ylabel("accepted submits / s")
