@@ -159,9 +159,8 @@ def machine() -> dict[str, str]:
                 break
     repo = Path(__file__).resolve().parents[1]
     commit = _run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]) or "?"
-    if _run(
-        ["git", "-C", str(repo), "status", "--porcelain", "--", "bench", "dispatcher", "worker"]
-    ):
+    paths = ["bench", "dispatcher", "worker", "tests", ":!bench/results"]
+    if _run(["git", "-C", str(repo), "status", "--porcelain", "--", *paths]):
         commit += "+dirty"
     redis_bin = shutil.which("redis-server")
     redis = _run([redis_bin, "--version"]).split(" sha=")[0] if redis_bin else "?"
