@@ -221,7 +221,10 @@ def _load_tables(report: Report, data: dict[str, Any]) -> None:
             ],
             rows,
             f"gpulane API RSS after the load: {data['rss']['VmRSS']:.1f} MB. Load generator "
-            f"CPU: {max(lv['client_cpu'] for lv in data['levels']) * 100:.0f}% of a core.",
+            f"CPU: {max(lv['client_cpu'] for lv in data['levels']) * 100:.0f}% of a core. "
+            "Each row is one run, one after another: on a shared machine rows of one run "
+            "compare, but expect about 20% between runs; CPU of a 2-process server is the sum "
+            "of both.",
         )
     )
 
@@ -263,14 +266,14 @@ def _cost_tables(report: Report, data: dict[str, Any]) -> None:
 
 
 def _chart(data: dict[str, Any], outdir: Path) -> str:
-    fig, (left, right) = figure(9.0, 3.4, ncols=2)
+    fig, (left, right) = figure(10.0, 3.6, ncols=2)
     bars = [(f"gpulane\n{lv['clients']} cl.", lv["accepted_per_s"]) for lv in data["levels"]]
     bars += [(SHORT[label], lv["accepted_per_s"]) for label, lv in data["refs"].items()]
     left.bar([b[0] for b in bars], [b[1] for b in bars])
     left.axhline(1500, color="grey", linestyle=":", label="target 1,500/s")
     left.set_ylabel("accepted submits / s")
     left.set_title("Submit throughput")
-    left.tick_params(axis="x", labelsize=8)
+    left.tick_params(axis="x", labelsize=7)
     left.legend(fontsize=8)
     for lv in data["levels"]:
         values = sorted(lv["latencies"])
