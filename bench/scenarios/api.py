@@ -10,7 +10,8 @@ To tell where the time goes, the same load at the highest concurrency then runs,
 the same run, against reference servers under the same uvicorn settings: a bare
 FastAPI route and the same plus one ``submit.lua`` call (:mod:`bench.floor_app`), and
 what-if builds of the real app (:mod:`bench.whatif_api`: ``gc.freeze()`` after
-startup, plus pipelined submits, two uvicorn processes, and all of it together).
+startup, plus pipelined submits, and both on two uvicorn processes), then the real app
+once more to show how far the machine drifted meanwhile.
 :mod:`bench.asgi_costs` measures CPU per request inside the process with and without
 the Redis call.
 """
@@ -44,17 +45,15 @@ REFERENCES = {
     ONE_CALL: ["bench.floor_app:redis_app"],
     "what-if: gpulane + gc.freeze() after startup": ["bench.whatif_api:frozen", "--factory"],
     "what-if: gc.freeze() + pipelined submits": ["bench.whatif_api:tuned", "--factory"],
-    "what-if: gpulane unchanged, 2 uvicorn processes": [
-        "bench.whatif_api:stock",
-        "--factory",
-        "--workers",
-        "2",
-    ],
-    "what-if: gc.freeze() + pipelined, 2 processes": [
+    "what-if: gc.freeze() + pipelined, 2 uvicorn processes": [
         "bench.whatif_api:tuned",
         "--factory",
         "--workers",
         "2",
+    ],
+    "drift check: gpulane unchanged, again after the others": [
+        "bench.whatif_api:stock",
+        "--factory",
     ],
 }
 SHORT = dict(
@@ -65,8 +64,8 @@ SHORT = dict(
             "+ one\nsubmit",
             "freeze",
             "freeze +\npipelined",
-            "2 procs",
             "tuned,\n2 procs",
+            "gpulane\nagain",
         ],
         strict=True,
     )
@@ -83,7 +82,7 @@ class Size:
 
 
 SIZES = {
-    "smoke": Size(seconds=0.5, warmup_s=0.2, asgi_requests=50, references=(0, 5)),
+    "smoke": Size(seconds=0.5, warmup_s=0.2, asgi_requests=50, references=(0, 4)),
     "quick": Size(seconds=3.0, warmup_s=0.5, asgi_requests=1000),
     "full": Size(seconds=20.0, warmup_s=2.0, asgi_requests=10_000),
 }
