@@ -40,5 +40,13 @@ fmt: $(VENV)/.dev-deps
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+$(VENV)/.bench-deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.run-deps $(VENV)/.bench-deps ## benchmarks (never in `make test`): BENCH_ARGS="--quick overhead"
+	@scripts/ensure-redis.sh
+	$(BIN)/python -m bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .test-logs *.egg-info

@@ -1,0 +1,16 @@
+"""gpulane benchmarks (issue 7): ``python -m bench [SCENARIO ...] [--smoke|--quick]``.
+
+Scenarios, each in :mod:`bench.scenarios`:
+
+- ``overhead``: no-op tasks through the whole path against plain RQ (latency,
+  throughput, Redis commands per task);
+- ``balancing``: a heavy-tailed trace through gpulane (pull), round-robin and
+  least-connections push routers, and the ideal central queue (simulated);
+- ``scaling``: throughput on 1, 2, 4 and 8 workers;
+- ``api``: accepted HTTP submits per second and their latency under concurrency;
+- ``memory``: resident memory of an idle worker and of the API after load.
+
+Every scenario starts its own ``redis-server`` and real ``gpulane`` processes and
+writes a markdown table and PNG charts to ``bench/results/``. Benchmarks are never
+part of ``make test``; ``tests/test_bench_smoke.py`` runs each at ``--smoke`` size.
+"""

@@ -1,0 +1,132 @@
+"""Reference apps for the API scenario: what one uvicorn process can serve on this
+machine with no gpulane code, to separate the framework's floor from gpulane's cost.
+
+- ``bench.floor_app:fastapi_app``: a bare FastAPI ``POST /tasks`` that reads the JSON
+  body and answers 202 with a body and headers shaped like gpulane's.
+- ``bench.floor_app:redis_app``: the same plus one ``submit.lua`` call per request
+  (what gpulane's submit costs in Redis), without validation, admission or metrics.
+
+:class:`Coalescer` is the prototype of the change proposed for ``TaskStore.submit``
+(used by :mod:`bench.whatif_api`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from redis.asyncio import Redis
+
+from dispatcher.jobs import encode_call
+from dispatcher.scripts import AsyncScripts, options
+
+HEADERS = {"Gpulane-Queue-Depth": "1", "Gpulane-Estimated-Wait": "-1", "Gpulane-Pressure": "ok"}
+
+
+def _reply(task_id: str, body: dict[str, Any]) -> JSONResponse:
+    out = {
+        "id": task_id,
+        "status": "queued",
+        "type": body.get("type"),
+        "class": "batch",
+        "position": 0,
+        "estimated_wait_s": None,
+    }
+    return JSONResponse(out, status_code=202, headers={**HEADERS, "Location": f"/tasks/{task_id}"})
+
+
+fastapi_app = FastAPI()
+
+
+@fastapi_app.post("/tasks")
+async def bare_submit(request: Request) -> JSONResponse:
+    body = json.loads(await request.body())
+    return _reply(str(uuid.uuid4()), body)
+
+
+class Coalescer:
+    """Runs ``submit.lua`` calls; those issued while a round trip is in flight wait and
+    go together in the next pipeline (no added delay when calls do not overlap)."""
+
+    def __init__(self, client: Redis, script: str) -> None:
+        self.client = client
+        self.script = script
+        self.sha: str | None = None
+        self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self.busy = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def call(self, *args: Any) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending.append((args, future))
+        if not self.busy:
+            self.busy = True
+            self._task = asyncio.get_running_loop().create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            if self.sha is None:
+                self.sha = str(await self.client.script_load(self.script))
+            while self.pending:
+                batch, self.pending = self.pending, []
+                pipe = self.client.pipeline(transaction=False)
+                for args, _ in batch:
+                    pipe.evalsha(self.sha, 0, *args)
+                try:
+                    replies = await pipe.execute(raise_on_error=False)
+                except Exception as exc:
+                    replies = [exc] * len(batch)
+                for (_, future), reply in zip(batch, replies, strict=True):
+                    if isinstance(reply, Exception):
+                        future.set_exception(reply)
+                    else:
+                        future.set_result(reply)
+        finally:
+            self.busy = False
+
+
+def _submit_args(body: dict[str, Any], task_id: str) -> tuple[str, bytes, bytes]:
+    opts = options(
+        id=task_id,
+        type=body["type"],
+        tenant="default",
+        timeout=600.0,
+        ttl_s=86400,
+        max_queued=10**7,
+        max_wait_s=1e9,
+        reject_without_workers=False,
+        workers=0,
+        run_s=1.0,
+        idem="",
+        idem_ttl_s=86400,
+        classes=["interactive", "batch"],
+        **{"class": "batch"},
+    )
+    return opts, encode_call(body["type"], body.get("args", {})), b""
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    client = Redis.from_url(os.environ["GPULANE_REDIS_URL"], socket_timeout=5)
+    app.state.scripts = AsyncScripts(client)
+    yield
+    await client.aclose()
+
+
+redis_app = FastAPI(lifespan=_lifespan)
+
+
+@redis_app.post("/tasks")
+async def redis_submit(request: Request) -> JSONResponse:
+    body = json.loads(await request.body())
+    task_id = str(uuid.uuid4())
+    await request.app.state.scripts.run("submit", *_submit_args(body, task_id))
+    return _reply(task_id, body)

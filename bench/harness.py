@@ -1,0 +1,266 @@
+"""Processes a benchmark run needs, each started fresh and stopped at the end.
+
+- :class:`Redis`: a private ``redis-server`` on a free loopback port (AOF on with
+  ``appendfsync everysec``, ``noeviction``: how gpulane runs in production).
+- :func:`gpulane_worker`, :func:`rq_worker`, :func:`gpulane_api`: real processes
+  started with the same commands an operator types (``gpulane worker``,
+  ``rq worker -w rq.worker.SimpleWorker``, ``gpulane api``).
+- :class:`Stack`: owns everything started, so one ``with`` block stops it all.
+
+Process logs go to a temporary directory (kept only when a run fails).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import redis
+
+from dispatcher import keys
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_TASKS = "bench.gl_tasks"  # gpulane task module loaded by the bench workers
+RQ_TASKS = "bench.rq_tasks"  # plain-RQ functions
+
+# Class limits raised so admission never refuses during a benchmark.
+OPEN_CLASS = {"max_queued": 10_000_000, "max_wait_s": 1e9, "reject_without_workers": False}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(
+    check: Callable[[], Any],
+    timeout_s: float = 20.0,
+    what: str = "condition",
+    every_s: float = 0.01,
+) -> Any:
+    """Poll ``check`` every ``every_s`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def classes_json(names: list[str]) -> str:
+    """``GPULANE_CLASSES`` value: these classes, in this priority order, never refusing."""
+    import json
+
+    return json.dumps({name: OPEN_CLASS for name in names})
+
+
+class Proc:
+    """A child process with its log file; stopped with SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], logdir: Path) -> None:
+        self.name = name
+        self.log = logdir / f"{name}.log"
+        self._handle = self.log.open("wb")
+        self.process = subprocess.Popen(
+            argv, env=env, cwd=REPO, stdout=self._handle, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM (if not sent yet), wait, then SIGKILL."""
+        self.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+        self._handle.close()
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Stack:
+    """Redis plus the processes of one benchmark; ``with Stack() as s:`` stops them all."""
+
+    def __init__(self, **redis_args: str) -> None:
+        self.logdir = Path(tempfile.mkdtemp(prefix="gpulane-bench-"))
+        self.port = free_port()
+        self.procs: list[Proc] = []
+        self._redis_args = redis_args
+        self._failed = False
+
+    # -- lifecycle ---------------------------------------------------------------
+    def __enter__(self) -> Stack:
+        self._start_redis()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._failed = kind is not None
+        self.close()
+
+    def close(self) -> None:
+        """Stop every process: all but Redis at once, then Redis."""
+        redis_proc, others = self.procs[0], self.procs[1:]
+        for proc in others:
+            proc.terminate()
+        for proc in [*others, redis_proc]:
+            proc.stop()
+        self.procs.clear()
+        if self._failed:
+            print(f"bench: process logs kept in {self.logdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.logdir, ignore_errors=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=30, **kwargs)
+
+    def _start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/ensure-redis.sh)")
+        args = {
+            "port": str(self.port),
+            "bind": "127.0.0.1",
+            "dir": str(self.logdir),
+            "appendonly": "yes",
+            "appendfsync": "everysec",
+            "save": "",
+            "maxmemory-policy": "noeviction",
+            **self._redis_args,
+        }
+        argv = [binary]
+        for key, value in args.items():
+            argv += [f"--{key}", value]
+        self.procs.append(Proc("redis", argv, dict(os.environ), self.logdir))
+        client = self.client()
+        wait_for(lambda: _pings(client), 10, "redis-server")
+
+    # -- processes ---------------------------------------------------------------
+    def env(self, **settings: Any) -> dict[str, str]:
+        env = dict(os.environ)
+        env["GPULANE_REDIS_URL"] = self.url
+        env["PYTHONPATH"] = str(REPO)
+        env.setdefault("GPULANE_LOG_LEVEL", "INFO")
+        for key, value in settings.items():
+            env[f"GPULANE_{key.upper()}"] = str(value)
+        return env
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
+        proc = Proc(name, argv, env, self.logdir)
+        self.procs.append(proc)
+        return proc
+
+    def gpulane_worker(
+        self,
+        name: str,
+        serve: list[str] | None = None,
+        wait: bool = True,
+        tasks: str = f"worker.tasks.builtin,{BENCH_TASKS}",
+        **settings: Any,
+    ) -> Proc:
+        """``gpulane worker`` (CPU device, built-ins plus the bench tasks) serving the
+        classes ``serve`` (default: all); ``settings`` become ``GPULANE_*`` variables."""
+        argv = [sys.executable, "-m", "dispatcher.cli", "worker", "--gpu", "none", "--name", name]
+        argv += ["--tasks", tasks]
+        if serve:
+            argv += ["--classes", ",".join(serve)]
+        proc = self.spawn(name, argv, self.env(**settings))
+        if wait:
+            self.wait_registered(proc)
+        return proc
+
+    def wait_registered(self, proc: Proc) -> None:
+        client = self.client()
+
+        def ready() -> bool:
+            if not proc.alive():
+                raise RuntimeError(f"worker {proc.name} exited:\n{proc.tail()}")
+            return client.zscore(keys.WORKERS, proc.name) is not None
+
+        wait_for(ready, 30, f"worker {proc.name} to register")
+
+    def rq_worker(self, name: str, queue: str, wait: bool = True) -> Proc:
+        """Plain RQ: ``rq worker -w rq.worker.SimpleWorker -S JSONSerializer`` on ``queue``."""
+        argv = [sys.executable, "-m", "rq.cli", "worker", "--url", self.url, "--name", name]
+        argv += ["-w", "rq.worker.SimpleWorker", "-S", "rq.serializers.JSONSerializer", queue]
+        proc = self.spawn(name, argv, self.env())
+        if wait:
+            self.wait_rq(proc)
+        return proc
+
+    def wait_rq(self, proc: Proc) -> None:
+        client = self.client()
+
+        def ready() -> bool:
+            if not proc.alive():
+                raise RuntimeError(f"rq worker {proc.name} exited:\n{proc.tail()}")
+            return bool(client.exists(f"rq:worker:{proc.name}"))
+
+        wait_for(ready, 30, f"rq worker {proc.name}")
+
+    def gpulane_api(self, classes: list[str], **settings: Any) -> tuple[Proc, str]:
+        """``gpulane api`` (uvicorn, one process) on a free port; returns (proc, base URL)."""
+        port = free_port()
+        env = self.env(port=port, classes=classes_json(classes), **settings)
+        argv = [sys.executable, "-m", "dispatcher.cli", "api"]
+        proc = self.spawn("api", argv, env)
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _http_ok(proc, f"{url}/health"), 30, "the API")
+        return proc, url
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _http_ok(proc: Proc, url: str) -> bool:
+    import httpx
+
+    if not proc.alive():
+        raise RuntimeError(f"the API exited:\n{proc.tail()}")
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def rss_mb(pid: int) -> dict[str, float]:
+    """VmRSS and its anonymous part (RssAnon) of a process, in MB (10^6 bytes)."""
+    out: dict[str, float] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024 / 1e6
+    return out

@@ -1,0 +1,6 @@
+"""The benchmark scenarios. Each module has ``SIZES`` (``smoke``, ``quick``, ``full``)
+and ``run(size, outdir) -> Report``, and starts and stops everything it uses."""
+
+from __future__ import annotations
+
+SCENARIOS = ("overhead", "balancing", "scaling", "api", "memory")

@@ -1,0 +1,290 @@
+"""Scenario 4, API: accepted ``POST /tasks`` per second and submit latency under load.
+
+``gpulane api`` runs as its own process (uvicorn, one worker process, uvloop and
+httptools) against a private ``redis-server``, with the built-in task catalog
+published (as workers publish it) and class limits raised so nothing is refused. A
+closed-loop generator (:mod:`bench.loadgen`) keeps 16, then 64, keep-alive
+connections busy with JSON submits of ``sleep``.
+
+To tell where the time goes, the same load at the highest concurrency then runs, in
+the same run, against reference servers under the same uvicorn settings: a bare
+FastAPI route and the same plus one ``submit.lua`` call (:mod:`bench.floor_app`), and
+what-if builds of the real app (:mod:`bench.whatif_api`: ``gc.freeze()`` after
+startup, plus pipelined submits, and both on two uvicorn processes), then the real app
+once more to show how far the machine drifted meanwhile.
+:mod:`bench.asgi_costs` measures CPU per request inside the process with and without
+the Redis call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import uvloop
+
+from bench import asgi_costs, loadgen
+from bench.harness import Proc, Stack, classes_json, free_port, rss_mb, wait_for
+from bench.report import Report, Table, Target, figure, pct, save
+from dispatcher import keys
+
+CLASSES = ["interactive", "batch"]
+BODY = {"type": "sleep", "class": "batch", "args": {"seconds": 1}}
+# Servers run side by side with gpulane at the highest concurrency: label -> uvicorn args.
+BARE = "reference: bare FastAPI route (no Redis)"
+ONE_CALL = "reference: FastAPI + one submit.lua call"
+REFERENCES = {
+    BARE: ["bench.floor_app:fastapi_app"],
+    ONE_CALL: ["bench.floor_app:redis_app"],
+    "what-if: gpulane + gc.freeze() after startup": ["bench.whatif_api:frozen", "--factory"],
+    "what-if: gc.freeze() + pipelined submits": ["bench.whatif_api:tuned", "--factory"],
+    "what-if: gc.freeze() + pipelined, 2 uvicorn processes": [
+        "bench.whatif_api:tuned",
+        "--factory",
+        "--workers",
+        "2",
+    ],
+    "drift check: gpulane unchanged, again after the others": [
+        "bench.whatif_api:stock",
+        "--factory",
+    ],
+}
+SHORT = dict(
+    zip(
+        REFERENCES,
+        [
+            "bare\nFastAPI",
+            "+ one\nsubmit",
+            "freeze",
+            "freeze +\npipelined",
+            "tuned,\n2 procs",
+            "gpulane\nagain",
+        ],
+        strict=True,
+    )
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    seconds: float
+    warmup_s: float
+    concurrency: tuple[int, ...] = (16, 64)
+    asgi_requests: int = 2000
+    references: tuple[int, ...] = tuple(range(len(REFERENCES)))  # which to run
+
+
+SIZES = {
+    "smoke": Size(seconds=0.5, warmup_s=0.2, asgi_requests=50, references=(0, 4)),
+    "quick": Size(seconds=3.0, warmup_s=0.5, asgi_requests=1000),
+    "full": Size(seconds=20.0, warmup_s=2.0, asgi_requests=10_000),
+}
+
+
+def publish_catalog(client: redis.Redis) -> None:
+    """Publish the built-in task types, as a worker does when it registers."""
+    import worker.tasks.builtin  # noqa: F401 - registers the built-ins
+    from worker.registry import REGISTRY
+
+    for name, entry in REGISTRY.catalog().items():
+        client.hset(keys.CATALOG, name, json.dumps(entry))
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process and its children (uvicorn workers) used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = children.read_text().split() if children.exists() else []
+    return own + sum(cpu_s(int(kid)) for kid in kids if Path(f"/proc/{kid}").exists())
+
+
+def load(server: Proc, url: str, clients: int, size: Size) -> dict[str, Any]:
+    """Closed-loop load on ``url``; accepted/s, latency and the server's CPU use."""
+    request = loadgen.post_json(url, "/tasks", BODY)
+    before = cpu_s(server.pid)
+    t0 = time.monotonic()
+    result = loadgen.run(url, request, clients, size.seconds, size.warmup_s)
+    cpu = cpu_s(server.pid) - before
+    requests = sum(result.statuses.values()) * (size.seconds + size.warmup_s) / size.seconds
+    lat_ms = [x * 1000 for x in result.latencies_s]
+    return {
+        "clients": clients,
+        "accepted_per_s": result.accepted_per_s,
+        "p50_ms": pct(lat_ms, 50),
+        "p99_ms": pct(lat_ms, 99),
+        "refused": sum(n for s, n in result.statuses.items() if s != 202),
+        "server_cpu": cpu / (time.monotonic() - t0),
+        "cpu_us_per_request": cpu / max(requests, 1) * 1e6,
+        "client_cpu": result.client_cpu_s / (size.seconds + size.warmup_s),
+        "latencies": lat_ms,
+    }
+
+
+def _reference(stack: Stack, label: str, args: list[str], size: Size) -> dict[str, Any]:
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", *args, "--port", str(port), "--loop", "uvloop"]
+    argv += ["--http", "httptools", "--no-access-log", "--log-level", "warning"]
+    proc = stack.spawn(args[0].rsplit(":", 1)[1], argv, stack.env(classes=classes_json(CLASSES)))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if not proc.alive():
+            raise RuntimeError(f"{label} exited:\n{proc.tail()}")
+        try:
+            return httpx.post(f"{url}/tasks", json=BODY, timeout=1).status_code == 202
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, 30, label)
+    result = load(proc, url, max(size.concurrency), size)
+    proc.stop()
+    return result
+
+
+def measure(size: Size) -> dict[str, Any]:
+    with Stack() as stack:
+        publish_catalog(stack.client())
+        api, url = stack.gpulane_api(CLASSES)
+        data: dict[str, Any] = {"levels": [load(api, url, c, size) for c in size.concurrency]}
+        data["rss"] = rss_mb(api.pid)
+        api.stop()
+        chosen = [item for i, item in enumerate(REFERENCES.items()) if i in size.references]
+        data["refs"] = {label: _reference(stack, label, args, size) for label, args in chosen}
+        data["asgi"] = uvloop.run(asgi_costs.measure(stack.url, CLASSES, BODY, size.asgi_requests))
+    return data
+
+
+def run(size: str, outdir: Path) -> Report:
+    data = measure(SIZES[size])
+    report = Report("api", size)
+    _load_tables(report, data)
+    _cost_tables(report, data)
+    top = data["levels"][-1]
+    report.targets += [
+        Target(
+            f"accepted submits/s, {top['clients']} clients",
+            "-",
+            ">= 1,500/s",
+            f"{top['accepted_per_s']:,.0f}/s",
+            top["accepted_per_s"] >= 1500,
+        ),
+        Target(
+            f"submit p99, {top['clients']} clients",
+            "-",
+            "<= 50 ms",
+            f"{top['p99_ms']:.1f} ms",
+            top["p99_ms"] <= 50,
+        ),
+    ]
+    report.charts.append(_chart(data, outdir))
+    report.write(outdir)
+    return report
+
+
+def _row(label: str, lv: dict[str, Any]) -> list[Any]:
+    return [
+        label,
+        lv["clients"],
+        lv["accepted_per_s"],
+        lv["p50_ms"],
+        lv["p99_ms"],
+        lv["refused"],
+        lv["server_cpu"] * 100,
+        lv["cpu_us_per_request"],
+    ]
+
+
+def _load_tables(report: Report, data: dict[str, Any]) -> None:
+    rows = [_row("gpulane api", lv) for lv in data["levels"]]
+    rows += [_row(label, lv) for label, lv in data["refs"].items()]
+    report.tables.append(
+        Table(
+            "Accepted HTTP submits (202) per second, closed loop",
+            [
+                "server",
+                "clients",
+                "accepted /s",
+                "p50 ms",
+                "p99 ms",
+                "not 202",
+                "server CPU % of a core",
+                "server CPU us / request",
+            ],
+            rows,
+            f"gpulane API RSS after the load: {data['rss']['VmRSS']:.1f} MB. Load generator "
+            f"CPU: {max(lv['client_cpu'] for lv in data['levels']) * 100:.0f}% of a core. "
+            "Each row is one run, one after another: on a shared machine rows of one run "
+            "compare, but expect about 20% between runs; CPU of a 2-process server is the sum "
+            "of both.",
+        )
+    )
+
+
+def _cost_tables(report: Report, data: dict[str, Any]) -> None:
+    a, refs = data["asgi"], data["refs"]
+    rows: list[list[Any]] = []
+    if BARE in refs and ONE_CALL in refs:
+        cpu = [lv["cpu_us_per_request"] for lv in (refs[BARE], refs[ONE_CALL], data["levels"][-1])]
+        rows += [
+            ["over HTTP, under load: bare FastAPI route (uvicorn + framework floor)", cpu[0]],
+            ["  + one submit.lua call through redis-py asyncio", cpu[1] - cpu[0]],
+            ["  + gpulane's request logic (everything else in the real app)", cpu[2] - cpu[1]],
+            ["  = gpulane api", cpu[2]],
+        ]
+    rows += [
+        ["in process, one request at a time: real app, real Redis", a["real"]],
+        ["  redis-py submit.lua call (real minus Redis stubbed)", a["real"] - a["stub"]],
+        ["  gpulane request logic (stubbed minus bare FastAPI)", a["stub"] - a["bare"]],
+        ["  FastAPI/Starlette floor (bare route)", a["bare"]],
+    ]
+    report.tables.append(
+        Table(
+            "Where a submit's CPU goes (us per request)",
+            ["part", "CPU us"],
+            rows,
+            "Over HTTP: server CPU per request of the side-by-side runs above (64 clients). "
+            "In process: the ASGI app driven directly, without uvicorn or concurrency.",
+        )
+    )
+    report.tables.append(
+        Table(
+            "gpulane request-path functions (cProfile, Redis stubbed; inflated by the "
+            "profiler, compare relatively)",
+            ["function", "cumulative us / request"],
+            [[label, us] for label, us in a["steps"]],
+        )
+    )
+
+
+def _chart(data: dict[str, Any], outdir: Path) -> str:
+    fig, (left, right) = figure(10.0, 3.6, ncols=2)
+    bars = [(f"gpulane\n{lv['clients']} cl.", lv["accepted_per_s"]) for lv in data["levels"]]
+    bars += [(SHORT[label], lv["accepted_per_s"]) for label, lv in data["refs"].items()]
+    left.bar([b[0] for b in bars], [b[1] for b in bars])
+    left.axhline(1500, color="grey", linestyle=":", label="target 1,500/s")
+    left.set_ylabel("accepted submits / s")
+    left.set_title("Submit throughput")
+    left.tick_params(axis="x", labelsize=7)
+    left.legend(fontsize=8)
+    for lv in data["levels"]:
+        values = sorted(lv["latencies"])
+        right.plot(
+            values,
+            [(i + 1) / len(values) for i in range(len(values))],
+            label=f"gpulane, {lv['clients']} clients",
+        )
+    right.axvline(50, color="grey", linestyle=":")
+    right.set_xscale("log")
+    right.set_xlabel("submit latency (ms), log scale")
+    right.set_ylabel("fraction of submits")
+    right.set_title("Submit latency CDF")
+    right.legend(fontsize=8)
+    return save(fig, outdir, "api.png")

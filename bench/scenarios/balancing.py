@@ -1,0 +1,281 @@
+"""Scenario 2, balancing: one heavy-tailed trace through pull and push dispatch.
+
+The seeded trace of :mod:`bench.trace` (log-normal sizes, mean 200 ms; Poisson
+arrivals at 70 % and 90 % load of 4 workers) is replayed on time, in one run, through
+three real systems side by side, each with its own ``redis-server`` and four real
+``gpulane worker`` processes running the built-in ``sleep`` task:
+
+- ``gpulane (pull)``: every task joins one shared class queue; a free worker pulls.
+- ``round-robin push``: each worker serves its own queue (a class of its own); the
+  router assigns task i to worker i mod 4 when it arrives.
+- ``least-connections push``: same queues; the router assigns each task, when it
+  arrives, to the worker with the fewest outstanding tasks (queued + running, read
+  from Redis at that instant), ties broken round-robin.
+
+Worker code, Redis, submit path (``submit.lua``, as the API calls it) and per-task
+overhead are identical; only the dispatch policy differs. The ideal zero-overhead
+central queue (M/G/4 FCFS) and zero-overhead models of both routers are computed on
+the same trace as references. Latency is end to end: created -> ended (Redis clock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench import trace as tr
+from bench.glside import Submitter, gl_done, records
+from bench.harness import Stack, classes_json, wait_for
+from bench.report import Report, Table, Target, figure, save
+from dispatcher import keys
+
+SYSTEMS = ("pull", "rr", "lc")
+LABELS = {
+    "ideal": "ideal central queue (model)",
+    "pull": "gpulane (pull)",
+    "rr": "round-robin push",
+    "lc": "least-connections push",
+    "rr_model": "round-robin (model)",
+    "lc_model": "least-connections (model)",
+}
+LOADS = (0.7, 0.9)
+
+
+@dataclass(frozen=True)
+class Size:
+    tasks: int
+    workers: int = 4
+    mean_s: float = 0.2
+
+
+SIZES = {
+    "smoke": Size(tasks=30, workers=2, mean_s=0.05),
+    "quick": Size(tasks=160),
+    "full": Size(tasks=2000),
+}
+
+
+class System:
+    """One system under test: its stack, its workers and its routing policy."""
+
+    def __init__(self, kind: str, stack: Stack, workers: int) -> None:
+        self.kind = kind
+        self.stack = stack
+        self.workers = workers
+        self.classes = ["batch"] if kind == "pull" else [f"w{k}" for k in range(workers)]
+        self.names = [f"{kind}{k}" for k in range(workers)]
+        self.client: redis.Redis = stack.client()
+        self.submitter = Submitter(self.client, self.classes, workers)
+        self._next = 0
+
+    def start(self) -> None:
+        procs = []
+        config = classes_json(self.classes)
+        for k, name in enumerate(self.names):
+            serve = None if self.kind == "pull" else [self.classes[k]]
+            procs.append(
+                self.stack.gpulane_worker(
+                    name, serve, wait=False, classes=config, default_class=self.classes[0]
+                )
+            )
+        for proc in procs:
+            self.stack.wait_registered(proc)
+
+    def route(self) -> int:
+        """The worker (its queue) for the task arriving now; -1: the shared queue."""
+        if self.kind == "pull":
+            return -1
+        if self.kind == "rr":
+            k = self._next
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for k, name in enumerate(self.names):
+                pipe.llen(keys.queue(self.classes[k]))
+                pipe.llen(keys.inflight(name, self.classes[k]))
+            lens = pipe.execute()
+            outstanding = [lens[2 * k] + lens[2 * k + 1] for k in range(self.workers)]
+            order = [(self._next + j) % self.workers for j in range(self.workers)]
+            k = min(order, key=lambda j: outstanding[j])
+        self._next = (k + 1) % self.workers
+        return k
+
+    def submit(self, seconds: float) -> tuple[str, int]:
+        k = self.route()
+        cls = self.classes[max(k, 0)]
+        return self.submitter.submit("sleep", {"seconds": seconds}, cls), k
+
+
+# -- measuring ----------------------------------------------------------------------
+def _replay(system: System, trace: tr.Trace, t0: float, out: dict[str, Any]) -> None:
+    sent = []
+    for arrival, service in zip(trace.arrivals, trace.services, strict=True):
+        delay = t0 + arrival - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        sent.append(system.submit(service))
+    out[system.kind] = sent
+
+
+def _tasks(system: System, sent: list[tuple[str, int]]) -> list[tr.Task]:
+    ids = [task_id for task_id, _ in sent]
+    rows = records(system.client, ids)
+    t0 = min(r["created_ms"] for r in rows)
+    return [
+        tr.Task(
+            created=(r["created_ms"] - t0) / 1000,
+            started=(r["started_ms"] - t0) / 1000,
+            ended=(r["ended_ms"] - t0) / 1000,
+            worker=system.names.index(r["worker"]),
+            queue=k,
+        )
+        for r, (_, k) in zip(rows, sent, strict=True)
+    ]
+
+
+def replay_all(systems: list[System], trace: tr.Trace) -> dict[str, list[tr.Task]]:
+    """Replay ``trace`` through every system at once; their tasks once all ended."""
+    sent: dict[str, Any] = {}
+    t0 = time.monotonic() + 0.1
+    threads = [
+        threading.Thread(target=_replay, args=(system, trace, t0, sent)) for system in systems
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    limit = 60 + 4 * sum(trace.services) / trace.workers
+    out = {}
+    for system in systems:
+        _wait_done(system, [task_id for task_id, _ in sent[system.kind]], limit)
+        out[system.kind] = _tasks(system, sent[system.kind])
+    return out
+
+
+def _wait_done(system: System, ids: list[str], limit_s: float) -> None:
+    wait_for(lambda: gl_done(system.client, ids), limit_s, "the trace", every_s=0.1)
+
+
+def measure(size: Size) -> dict[float, dict[str, Any]]:
+    results: dict[float, dict[str, Any]] = {}
+    with Stack() as s1, Stack() as s2, Stack() as s3:
+        systems = [System(k, s, size.workers) for k, s in zip(SYSTEMS, (s1, s2, s3), strict=True)]
+        for system in systems:
+            system.start()
+        for load in LOADS:
+            trace = tr.make_trace(size.tasks, size.workers, load, size.mean_s)
+            runs: dict[str, Any] = replay_all(systems, trace)
+            runs["ideal"] = tr.central(trace)
+            runs["rr_model"] = tr.round_robin(trace)
+            runs["lc_model"] = tr.least_connections(trace)
+            results[load] = {"trace": trace, "runs": runs}
+    return results
+
+
+# -- report -------------------------------------------------------------------------
+ORDER = ("ideal", "pull", "rr", "lc", "rr_model", "lc_model")
+
+
+def run(size: str, outdir: Path) -> Report:
+    cfg = SIZES[size]
+    results = measure(cfg)
+    report = Report("balancing", size)
+    stats = {
+        load: {k: tr.metrics(v, cfg.workers) for k, v in r["runs"].items()}
+        for load, r in results.items()
+    }
+    for load, r in results.items():
+        report.tables.append(_load_table(load, r, stats[load], cfg))
+    _targets(report, stats)
+    report.charts.append(_chart(results, stats, outdir))
+    report.notes.append(
+        "Idle share: worker time spent idle while a task waited in a queue that worker "
+        "could not or did not serve (another worker's queue; for pull, the shared queue), "
+        "over workers x makespan, on a 1 ms grid."
+    )
+    report.write(outdir)
+    return report
+
+
+def _load_table(load: float, r: dict[str, Any], stats: dict[str, tr.Metrics], cfg: Size) -> Table:
+    ideal = stats["ideal"]
+    rows = []
+    for key in ORDER:
+        m = stats[key]
+        rows.append(
+            [LABELS[key], m.p50, m.p95, m.p99, m.makespan, m.idle_share * 100, m.p99 / ideal.p99]
+        )
+    trace: tr.Trace = r["trace"]
+    run_s = [t.ended - t.started for t in r["runs"]["pull"]]
+    mean_ms = sum(trace.services) / len(trace.services) * 1000
+    note = (
+        f"{len(trace.services)} tasks, {cfg.workers} workers, mean size {mean_ms:.0f} ms, "
+        f"max {max(trace.services):.2f} s; "
+        f"gpulane's measured mean run time {sum(run_s) / len(run_s) * 1000:.1f} ms "
+        "(size plus per-task overhead)."
+    )
+    return Table(
+        f"End-to-end latency at {load:.0%} load (seconds)",
+        ["system", "p50", "p95", "p99", "makespan", "idle while work waited %", "p99 / ideal"],
+        rows,
+        note,
+    )
+
+
+def _targets(report: Report, stats: dict[float, dict[str, tr.Metrics]]) -> None:
+    s = stats[max(stats)]
+    pull, ideal, rr, lc = s["pull"].p99, s["ideal"].p99, s["rr"].p99, s["lc"].p99
+    report.targets += [
+        Target(
+            "p99 latency, 90% load, heavy tail, 4 workers (smoke: 2)",
+            f"ideal central queue: {ideal:.2f} s",
+            "<= 1.10x ideal",
+            f"{pull:.2f} s = {pull / ideal:.2f}x",
+            pull / ideal <= 1.10,
+        ),
+        Target(
+            "p99 vs round-robin push, 90% load",
+            f"round-robin: {rr:.2f} s",
+            "~0.3x",
+            f"{pull / rr:.2f}x",
+            None,
+        ),
+        Target(
+            "p99 vs least-connections push, 90% load",
+            f"least-connections: {lc:.2f} s",
+            "-",
+            f"{pull / lc:.2f}x",
+            None,
+        ),
+    ]
+
+
+def _chart(
+    results: dict[float, Any], stats: dict[float, dict[str, tr.Metrics]], outdir: Path
+) -> str:
+    fig, (left, right) = figure(10.0, 3.6, ncols=2)
+    runs = results[max(results)]["runs"]
+    for key in ("ideal", "pull", "rr", "lc"):
+        values = sorted(t.ended - t.created for t in runs[key])
+        left.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=LABELS[key])
+    left.set_xscale("log")
+    left.set_xlabel("end-to-end latency (s), log scale")
+    left.set_ylabel("fraction of tasks")
+    left.set_title(f"Latency CDF at {max(results):.0%} load")
+    left.legend(fontsize=8)
+    keys_ = ("ideal", "pull", "lc", "rr")
+    width = 0.8 / len(stats)
+    for i, (load, s) in enumerate(sorted(stats.items())):
+        xs = [j + (i - (len(stats) - 1) / 2) * width for j in range(len(keys_))]
+        right.bar(xs, [s[k].p99 for k in keys_], width=width, label=f"{load:.0%} load")
+    right.set_xticks(
+        range(len(keys_)), ["ideal", "gpulane\n(pull)", "least-\nconn.", "round-\nrobin"]
+    )
+    right.set_ylabel("p99 latency (s)")
+    right.set_title("p99 end-to-end latency")
+    right.legend(fontsize=8)
+    return save(fig, outdir, "balancing.png")

@@ -1,0 +1,451 @@
+"""Scenario 1, overhead: no-op tasks through the whole path, against plain RQ.
+
+Two identical ``redis-server`` instances (same binary, same configuration) run side by
+side, one per system, so command counts never mix; latency samples alternate between
+the systems so both see the same machine load.
+
+- Submit->start latency on an idle worker. gpulane: ``POST /tasks`` to ``gpulane api``
+  returned -> the ``bench.stamp`` handler began in an idle ``gpulane worker``. Plain
+  RQ: ``Queue.enqueue`` returned -> the same no-op began in an idle ``SimpleWorker``
+  (JSON serializer). Both handlers return ``time.time()`` at entry (same host clock).
+- Throughput: a queue filled with no-ops faster than it drains; tasks per second
+  between the first and the last handler start, on 1 and 4 workers per system.
+- Redis commands per task: ``INFO commandstats`` deltas (Lua-internal commands
+  included) at saturation (heartbeats, leases, metrics and the API's maintenance
+  amortized in) and for one isolated task on an idle worker (submit, dequeue, start,
+  finish, park again; windows hit by a periodic heartbeat are discarded), plus one
+  lifecycle recorded with ``MONITOR`` to split client round trips from Lua-internal
+  commands and list them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from rq import Queue
+
+from bench import cmdstats
+from bench.glside import (
+    RQ_FUNC,
+    Submitter,
+    gl_done,
+    gl_results,
+    rq_done,
+    rq_fill,
+    rq_queue,
+    rq_results,
+)
+from bench.harness import Stack, wait_for
+from bench.report import Report, Table, Target, figure, pct, save
+from dispatcher import keys
+
+CLASSES = ["interactive", "batch"]
+TYPE = "bench.stamp"
+RQ_QUEUE = "plain"
+FINAL = (b"finished", b"failed", b"canceled")
+RQ_BASELINE = "plain RQ: p50 2.3 ms, p99 3.5 ms (DESIGN)"
+
+
+@dataclass(frozen=True)
+class Size:
+    latency: int  # samples per system
+    windows: int  # isolated command-count windows per system
+    tasks_1: int  # saturation run, 1 worker
+    tasks_4: int  # saturation run, 4 workers
+    background_s: float  # idle window measuring background commands per second
+
+
+SIZES = {
+    "smoke": Size(latency=5, windows=2, tasks_1=100, tasks_4=150, background_s=0.3),
+    "quick": Size(latency=120, windows=10, tasks_1=800, tasks_4=1000, background_s=2.0),
+    "full": Size(latency=1000, windows=30, tasks_1=10_000, tasks_4=15_000, background_s=5.0),
+}
+
+
+@dataclass
+class Systems:
+    """Everything the scenario drives: one stack per system and their clients."""
+
+    gl: Stack
+    rq: Stack
+    http: httpx.Client
+    gl_client: redis.Redis
+    rq_client: redis.Redis
+    queue: Queue
+
+
+# -- latency ------------------------------------------------------------------------
+def _gl_sample(sys_: Systems) -> tuple[float, float]:
+    t0 = time.time()
+    reply = sys_.http.post("/tasks", json={"type": TYPE})
+    t1 = time.time()
+    key = keys.job(reply.json()["id"])
+    wait_for(lambda: sys_.gl_client.hget(key, "status") in FINAL, 10, "a no-op", every_s=0.005)
+    started = gl_results(sys_.gl_client, [reply.json()["id"]])[0]["t"]
+    return started - t1, started - t0
+
+
+def _rq_sample(sys_: Systems) -> tuple[float, float]:
+    t0 = time.time()
+    job = sys_.queue.enqueue(RQ_FUNC)
+    t1 = time.time()
+    wait_for(lambda: rq_done(sys_.rq_client, [job.id]), 10, "an RQ no-op", every_s=0.005)
+    started = float(job.return_value(refresh=True)["t"])  # type: ignore[index]
+    return started - t1, started - t0
+
+
+def latency(sys_: Systems, n: int) -> dict[str, dict[str, list[float]]]:
+    """Alternating samples; ms from submit returned ('ret') and from submit called ('call')."""
+    out: dict[str, dict[str, list[float]]] = {s: {"ret": [], "call": []} for s in ("gpulane", "rq")}
+    for _ in range(n):
+        for name, sample in (("gpulane", _gl_sample), ("rq", _rq_sample)):
+            time.sleep(0.015)  # the worker is parked again (idle) before the next submit
+            ret, call = sample(sys_)
+            out[name]["ret"].append(ret * 1000)
+            out[name]["call"].append(call * 1000)
+    return out
+
+
+# -- commands per isolated task -----------------------------------------------------
+def _isolated(
+    client: redis.Redis, submit: Any, done: Any, background: set[str]
+) -> Counter[str] | None:
+    cmdstats.reset(client)
+    task_id = submit()
+    time.sleep(0.1)
+    stats = cmdstats.read(client)
+    if not done(task_id) or any(stats[c] for c in background):
+        return None  # not finished in the window, or a heartbeat landed in it
+    return stats
+
+
+def isolated_counts(sys_: Systems, n: int) -> dict[str, list[Counter[str]]]:
+    gl_bg = cmdstats.BACKGROUND
+    out: dict[str, list[Counter[str]]] = {"gpulane": [], "rq": []}
+    tries = 0
+    while min(len(v) for v in out.values()) < n and tries < n * 6:
+        tries += 1
+        if len(out["gpulane"]) < n:
+            got = _isolated(
+                sys_.gl_client,
+                lambda: sys_.http.post("/tasks", json={"type": TYPE}).json()["id"],
+                lambda i: gl_done(sys_.gl_client, [i]),
+                gl_bg,
+            )
+            if got is not None:
+                out["gpulane"].append(got)
+        if len(out["rq"]) < n:
+            got = _isolated(
+                sys_.rq_client,
+                lambda: sys_.queue.enqueue(RQ_FUNC).id,
+                lambda i: rq_done(sys_.rq_client, [i]),
+                set(),
+            )
+            if got is not None:
+                out["rq"].append(got)
+    return out
+
+
+def traces(sys_: Systems) -> dict[str, cmdstats.Monitor]:
+    """One clean lifecycle per system recorded with MONITOR."""
+    out: dict[str, cmdstats.Monitor] = {}
+    for _ in range(10):
+        if "gpulane" not in out:
+            with cmdstats.Monitor(sys_.gl.client()) as mon:
+                sys_.http.post("/tasks", json={"type": TYPE})
+                time.sleep(0.1)
+            names = {label.split(" ")[0].lower() for _, label in mon.lines}
+            labels = {label for _, label in mon.lines}
+            clean = not (names & cmdstats.BACKGROUND) and not any(
+                lbl.startswith(("EVALSHA heartbeat", "EVALSHA reap")) for lbl in labels
+            )
+            if clean:
+                out["gpulane"] = mon
+        if "rq" not in out:
+            with cmdstats.Monitor(sys_.rq.client()) as mon:
+                sys_.queue.enqueue(RQ_FUNC)
+                time.sleep(0.1)
+            out["rq"] = mon
+        if len(out) == 2:
+            break
+    return out
+
+
+# -- throughput at saturation -------------------------------------------------------
+def _saturate(
+    client: redis.Redis, queue_key: str, fill: Any, done: Any, results: Any
+) -> dict[str, Any]:
+    counting = cmdstats.Counting()
+    cmdstats.reset(client)
+    t0 = time.monotonic()
+    ids = fill()
+    while client.llen(queue_key):
+        counting.add("llen")
+        time.sleep(0.05)
+    counting.add("llen")
+    while not done(ids):
+        counting.add("hget", len(ids))
+        time.sleep(0.02)
+    counting.add("hget", len(ids))
+    wall = time.monotonic() - t0
+    stats = counting.net(cmdstats.read(client))
+    stamps = sorted(r["t"] for r in results(ids))
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return {"n": len(ids), "rate": rate, "stats": stats, "wall_s": wall}
+
+
+def saturation(sys_: Systems, n: int) -> dict[str, dict[str, Any]]:
+    submitter = Submitter(sys_.gl_client, CLASSES)
+    gl = _saturate(
+        sys_.gl_client,
+        keys.queue("batch"),
+        lambda: submitter.fill(n, TYPE, {}, "batch"),
+        lambda ids: gl_done(sys_.gl_client, ids),
+        lambda ids: gl_results(sys_.gl_client, ids),
+    )
+    rq = _saturate(
+        sys_.rq_client,
+        f"rq:queue:{RQ_QUEUE}",
+        lambda: rq_fill(sys_.queue, n),
+        lambda ids: rq_done(sys_.rq_client, ids),
+        lambda ids: rq_results(sys_.rq_client, ids),
+    )
+    return {"gpulane": gl, "rq": rq}
+
+
+def background_rate(client: redis.Redis, seconds: float) -> float:
+    cmdstats.reset(client)
+    time.sleep(seconds)
+    return sum(cmdstats.read(client).values()) / seconds
+
+
+# -- the run ------------------------------------------------------------------------
+def _start(gl: Stack, rq: Stack) -> Systems:
+    _, url = gl.gpulane_api(CLASSES)
+    gl.gpulane_worker("gw0")
+    rq.rq_worker("rq0", RQ_QUEUE)
+    rq_client = rq.client()
+    return Systems(
+        gl=gl,
+        rq=rq,
+        http=httpx.Client(base_url=url, timeout=30),
+        gl_client=gl.client(),
+        rq_client=rq_client,
+        queue=rq_queue(rq_client, RQ_QUEUE),
+    )
+
+
+def measure(size: Size) -> dict[str, Any]:
+    with Stack() as gl, Stack() as rq:
+        sys_ = _start(gl, rq)
+        # Warm both paths (script loading, imports on first call) before measuring.
+        for _ in range(3):
+            _gl_sample(sys_)
+            _rq_sample(sys_)
+        data: dict[str, Any] = {"latency": latency(sys_, size.latency)}
+        data["isolated"] = isolated_counts(sys_, size.windows)
+        data["traces"] = traces(sys_)
+        data["bg"] = {
+            "gpulane": background_rate(sys_.gl_client, size.background_s),
+            "rq": background_rate(sys_.rq_client, size.background_s),
+        }
+        data["sat1"] = saturation(sys_, size.tasks_1)
+        more = [
+            (gl.gpulane_worker(f"gw{i}", wait=False), rq.rq_worker(f"rq{i}", RQ_QUEUE, wait=False))
+            for i in range(1, 4)
+        ]
+        for gw, rw in more:
+            gl.wait_registered(gw)
+            rq.wait_rq(rw)
+        data["sat4"] = saturation(sys_, size.tasks_4)
+        sys_.http.close()
+        return data
+
+
+def run(size: str, outdir: Path) -> Report:
+    data = measure(SIZES[size])
+    report = Report("overhead", size)
+    _latency_section(report, data)
+    _throughput_section(report, data)
+    _commands_section(report, data)
+    report.charts.append(_chart(data, outdir))
+    report.write(outdir)
+    return report
+
+
+# -- report -------------------------------------------------------------------------
+def _ms(values: list[float]) -> tuple[float, float]:
+    return pct(values, 50), pct(values, 99)
+
+
+def _latency_section(report: Report, data: dict[str, Any]) -> None:
+    lat = data["latency"]
+    rows = []
+    for name, label in (("gpulane", "gpulane (HTTP POST /tasks)"), ("rq", "plain RQ (enqueue)")):
+        ret, call = lat[name]["ret"], lat[name]["call"]
+        rows.append([label, *_ms(ret), *_ms(call), len(ret)])
+    report.tables.append(
+        Table(
+            "Submit -> handler start on an idle worker (ms)",
+            ["system", "p50 from submit returned", "p99", "p50 from submit called", "p99", "n"],
+            rows,
+            "'From submit returned' is the DESIGN metric (negative: the worker started the task "
+            "before the client had read the reply). 'From submit called' adds the submit "
+            "round trip itself (HTTP for gpulane, one Redis pipeline for RQ).",
+        )
+    )
+    g50, g99 = _ms(lat["gpulane"]["ret"])
+    r50, r99 = _ms(lat["rq"]["ret"])
+    base = f"RQ here: p50 {r50:.2f} ms, p99 {r99:.2f} ms"
+    report.targets += [
+        Target("POST returned -> started, p50", base, "<= 1.5 ms", f"{g50:.2f} ms", g50 <= 1.5),
+        Target("POST returned -> started, p99", base, "<= 5 ms", f"{g99:.2f} ms", g99 <= 5.0),
+    ]
+
+
+def _throughput_section(report: Report, data: dict[str, Any]) -> None:
+    rows = []
+    for workers, key in ((1, "sat1"), (4, "sat4")):
+        gl, rq = data[key]["gpulane"], data[key]["rq"]
+        rows.append([workers, gl["rate"], rq["rate"], gl["rate"] / rq["rate"], gl["n"]])
+    report.tables.append(
+        Table(
+            "No-op tasks per second, saturated queue",
+            ["workers", "gpulane /s", "plain RQ /s", "gpulane / RQ", "tasks per run"],
+            rows,
+            "Rate between the first and the last handler start. gpulane runs with leases, "
+            "heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease).",
+        )
+    )
+    gl, rq = data["sat1"]["gpulane"]["rate"], data["sat1"]["rq"]["rate"]
+    report.targets.append(
+        Target(
+            "no-op tasks/s, 1 worker",
+            f"plain RQ here: {rq:,.0f}/s",
+            ">= 1.0x RQ",
+            f"{gl:,.0f}/s = {gl / rq:.2f}x",
+            gl / rq >= 1.0,
+        )
+    )
+
+
+TXN = ("multi", "exec", "watch")
+
+
+def _median_counter(windows: list[Counter[str]]) -> Counter[str]:
+    """The window whose total is the median (a real lifecycle, not a blend)."""
+    if not windows:
+        return Counter()
+    ordered = sorted(windows, key=lambda c: sum(c.values()))
+    return ordered[len(ordered) // 2]
+
+
+def _per_task(stats: Counter[str], n: int) -> tuple[float, float, float]:
+    total = sum(stats.values()) / n
+    return total, stats["evalsha"] / n, sum(stats[c] for c in TXN) / n
+
+
+def _commands_section(report: Report, data: dict[str, Any]) -> None:
+    iso = {k: _median_counter(v) for k, v in data["isolated"].items()}
+    rows = []
+    cases = [("isolated task, idle worker (median window)", iso["gpulane"], 1, iso["rq"], 1)]
+    for workers, key in ((1, "sat1"), (4, "sat4")):
+        gl, rq = data[key]["gpulane"], data[key]["rq"]
+        cases.append(
+            (f"saturation, {workers} worker(s)", gl["stats"], gl["n"], rq["stats"], rq["n"])
+        )
+    for label, gstats, gn, rstats, rn in cases:
+        g_total, g_eval, _ = _per_task(gstats, gn)
+        r_total, _, r_txn = _per_task(rstats, rn)
+        rows.append([label, g_total, g_eval, r_total, r_total - r_txn, g_total / r_total])
+    n_windows = {k: len(v) for k, v in data["isolated"].items()}
+    report.tables.append(
+        Table(
+            "Redis commands per task (INFO commandstats, Lua-internal commands included)",
+            [
+                "case",
+                "gpulane",
+                "of which EVALSHA",
+                "plain RQ",
+                "RQ without MULTI/EXEC/WATCH",
+                "gpulane / RQ",
+            ],
+            rows,
+            f"Clean isolated windows: gpulane {n_windows['gpulane']}, RQ {n_windows['rq']}. "
+            f"Background with nothing to do: gpulane {data['bg']['gpulane']:.1f} commands/s "
+            f"(API maintenance, worker heartbeat and reaper), RQ {data['bg']['rq']:.1f}/s.",
+        )
+    )
+    _trace_tables(report, data, iso)
+    g_total = sum(iso["gpulane"].values())
+    r_total = sum(iso["rq"].values())
+    report.targets.append(
+        Target(
+            "Redis commands per task, whole lifecycle",
+            f"plain RQ here: {r_total}",
+            "<= 30",
+            f"{g_total}",
+            g_total <= 30,
+        )
+    )
+
+
+def _trace_tables(report: Report, data: dict[str, Any], iso: dict[str, Counter[str]]) -> None:
+    traces: dict[str, cmdstats.Monitor] = data["traces"]
+    rows = []
+    for name in ("gpulane", "rq"):
+        if name in traces:
+            client, lua = traces[name].counts
+            rows.append([name, client, lua, client + lua])
+    report.tables.append(
+        Table(
+            "One isolated lifecycle recorded with MONITOR",
+            ["system", "client round trips (commands sent)", "Lua-internal", "total"],
+            rows,
+        )
+    )
+    names = sorted(
+        set(iso["gpulane"]) | set(iso["rq"]), key=lambda c: -(iso["gpulane"][c] + iso["rq"][c])
+    )
+    report.tables.append(
+        Table(
+            "Isolated lifecycle by command (median window)",
+            ["command", "gpulane", "plain RQ"],
+            [[c.upper(), iso["gpulane"][c], iso["rq"][c]] for c in names],
+        )
+    )
+    for name, mon in traces.items():
+        listing = "\n".join(("    lua: " if lua else "") + label for lua, label in mon.lines)
+        report.notes.append(
+            f"{name} lifecycle (MONITOR):\n\n<details><summary>{len(mon.lines)} commands"
+            f"</summary>\n\n```\n{listing}\n```\n</details>\n"
+        )
+
+
+def _chart(data: dict[str, Any], outdir: Path) -> str:
+    fig, (left, right) = figure(9.0, 3.4, ncols=2)
+    for name, label in (("gpulane", "gpulane"), ("rq", "plain RQ")):
+        values = sorted(data["latency"][name]["ret"])
+        ys = [(i + 1) / len(values) for i in range(len(values))]
+        left.plot(values, ys, label=label)
+    left.set_xlabel("submit returned -> handler start (ms)")
+    left.set_ylabel("fraction of tasks")
+    left.set_title("Submit->start, idle worker")
+    left.legend()
+    labels = ["1 worker", "4 workers"]
+    gl = [data[k]["gpulane"]["rate"] for k in ("sat1", "sat4")]
+    rq = [data[k]["rq"]["rate"] for k in ("sat1", "sat4")]
+    xs = range(len(labels))
+    right.bar([x - 0.2 for x in xs], gl, width=0.4, label="gpulane")
+    right.bar([x + 0.2 for x in xs], rq, width=0.4, label="plain RQ")
+    right.set_xticks(list(xs), labels)
+    right.set_ylabel("no-op tasks / s")
+    right.set_title("Throughput, saturated")
+    right.legend()
+    return save(fig, outdir, "overhead.png")

@@ -1,0 +1,40 @@
+"""The benchmarks still run: each scenario at ``--smoke`` size (a few seconds each).
+
+Numbers at this size mean nothing; the test only checks that every scenario starts its
+processes, measures, and writes its markdown table and chart (``make bench`` runs them
+for real).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="bench extras not installed: pip install -e '.[bench]'")
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = ("overhead", "balancing", "scaling", "api", "memory")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenario_smoke(scenario: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", scenario, "--smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=85,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (tmp_path / f"{scenario}.md").read_text()
+    assert report.startswith(f"## {scenario} (smoke)")
+    assert "Command: `python -m bench" in report and "cores" in report
+    assert "| " in report  # at least one table
+    assert (tmp_path / f"{scenario}.png").stat().st_size > 1000
+    assert (tmp_path / f"{scenario}.json").exists()
+    assert (tmp_path / "summary.md").exists()
