@@ -6,13 +6,10 @@ machine with no gpulane code, to separate the framework's floor from gpulane's c
 - ``bench.floor_app:redis_app``: the same plus one ``submit.lua`` call per request
   (what gpulane's submit costs in Redis), without validation, admission or metrics.
 
-:class:`Coalescer` is the prototype of the change proposed for ``TaskStore.submit``
-(used by :mod:`bench.whatif_api`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import uuid
@@ -49,48 +46,6 @@ fastapi_app = FastAPI()
 async def bare_submit(request: Request) -> JSONResponse:
     body = json.loads(await request.body())
     return _reply(str(uuid.uuid4()), body)
-
-
-class Coalescer:
-    """Runs ``submit.lua`` calls; those issued while a round trip is in flight wait and
-    go together in the next pipeline (no added delay when calls do not overlap)."""
-
-    def __init__(self, client: Redis, script: str) -> None:
-        self.client = client
-        self.script = script
-        self.sha: str | None = None
-        self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
-        self.busy = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def call(self, *args: Any) -> Any:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending.append((args, future))
-        if not self.busy:
-            self.busy = True
-            self._task = asyncio.get_running_loop().create_task(self._flush())
-        return await future
-
-    async def _flush(self) -> None:
-        try:
-            if self.sha is None:
-                self.sha = str(await self.client.script_load(self.script))
-            while self.pending:
-                batch, self.pending = self.pending, []
-                pipe = self.client.pipeline(transaction=False)
-                for args, _ in batch:
-                    pipe.evalsha(self.sha, 0, *args)
-                try:
-                    replies = await pipe.execute(raise_on_error=False)
-                except Exception as exc:
-                    replies = [exc] * len(batch)
-                for (_, future), reply in zip(batch, replies, strict=True):
-                    if isinstance(reply, Exception):
-                        future.set_exception(reply)
-                    else:
-                        future.set_result(reply)
-        finally:
-            self.busy = False
 
 
 def _submit_args(body: dict[str, Any], task_id: str) -> tuple[str, bytes, bytes]:

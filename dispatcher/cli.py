@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     api.add_argument("--host")
     api.add_argument("--port", type=int)
     api.add_argument("--redis-url")
+    api.add_argument("--workers", type=int, dest="api_workers", help="API processes (default 1)")
     api.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # a socket `gpulane up` holds
 
     worker = sub.add_parser("worker", help="run one worker process")
@@ -67,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(ns: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
-        key: getattr(ns, key, None) for key in ("host", "port", "redis_url", "data_dir")
+        key: getattr(ns, key, None)
+        for key in ("host", "port", "redis_url", "data_dir", "api_workers")
     }
     return load_settings(**overrides)
 
@@ -85,17 +88,21 @@ def _cmd_up(ns: argparse.Namespace, settings: Settings) -> int:
         return EXIT_FAILED
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
 def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from dispatcher.app import create_app
 
-    if (
-        not settings.tenants
-        and not ipaddress.ip_address(
-            "127.0.0.1" if settings.host == "localhost" else settings.host
-        ).is_loopback
-    ):
+    if not settings.tenants and not _loopback(settings.host):
         log.warning(
             "serving on %s with no API keys: anyone who reaches this port can submit tasks",
             settings.host,
@@ -103,12 +110,26 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
     where: dict[str, Any] = (
         {"fd": ns.fd} if ns.fd is not None else {"host": settings.host, "port": settings.port}
     )
+    common: dict[str, Any] = {
+        "log_config": None,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+    }
+    if settings.api_workers == 1:
+        uvicorn.run(create_app(settings), **where, **common)
+        return EXIT_OK
+    # Several processes share the socket; each builds its app from the environment, so
+    # the flags given here must reach them there.
+    for key in ("host", "port", "redis_url"):
+        value = getattr(ns, key, None)
+        if value is not None:
+            os.environ[f"GPULANE_{key.upper()}"] = str(value)
     uvicorn.run(
-        create_app(settings),
+        "dispatcher.app:app_from_environment",
+        factory=True,
+        workers=settings.api_workers,
         **where,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=5,
+        **common,
     )
     return EXIT_OK
 

@@ -19,9 +19,10 @@ from typing import Any
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
-from redis.commands.core import AsyncScript, Script
+from redis.commands.core import Script
 
 from dispatcher import keys
+from dispatcher.coalesce import Coalescer
 
 __all__ = ["NAMES", "AsyncScripts", "SyncScripts", "options", "source"]
 
@@ -71,14 +72,15 @@ class SyncScripts:
 
 @dataclass
 class AsyncScripts:
-    """The scripts bound to an asyncio client (the API)."""
+    """The scripts bound to an asyncio client (the API). Concurrent calls of one script
+    share round trips (:mod:`dispatcher.coalesce`)."""
 
     client: AsyncRedis
-    _bound: dict[str, AsyncScript] = field(default_factory=dict)
+    _bound: dict[str, Coalescer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in NAMES:
-            self._bound[name] = self.client.register_script(source(name))
+            self._bound[name] = Coalescer(self.client, source(name))
 
     async def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
-        return await self._bound[name](keys=[], args=[opts, *payload])
+        return await self._bound[name].call(opts, *payload)

@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Field(default_factory=_default_data_dir)
+    api_workers: int = Field(
+        1, ge=1, le=64, description="API processes serving the port (uvicorn workers)."
+    )
     api_url: str | None = Field(None, description="Where `gpulane submit/status` find the API.")
     api_key: str | None = Field(None, description="Bearer key `gpulane submit/status` send.")
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="bench extras not installed: pip install -e '.[bench]'")
-
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("overhead", "balancing", "scaling", "api", "memory")
 

@@ -1,0 +1,77 @@
+"""Coalesced script calls: batched under concurrency, reloaded after NOSCRIPT, failures
+delivered to every caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from dispatcher.coalesce import Coalescer
+
+ECHO = "return ARGV[1]"
+
+
+def test_concurrent_calls_share_pipelines(redis_url: str) -> None:
+    async def run() -> tuple[list[bytes], int]:
+        client = aioredis.Redis.from_url(redis_url)
+        coalescer = Coalescer(client, ECHO)
+        sent: list[int] = []
+        execute = coalescer._execute
+
+        async def counting(sha: str, calls: list) -> list:  # type: ignore[type-arg]
+            sent.append(len(calls))
+            return await execute(sha, calls)
+
+        coalescer._execute = counting  # type: ignore[method-assign]
+        replies = await asyncio.gather(*(coalescer.call(str(i)) for i in range(100)))
+        await client.aclose()
+        return replies, len(sent)
+
+    replies, pipelines = asyncio.run(run())
+    assert replies == [str(i).encode() for i in range(100)]  # each caller gets its own reply
+    assert pipelines < 10  # 100 overlapping calls, a handful of round trips
+
+
+def test_reloads_after_the_script_cache_is_flushed(redis_url: str) -> None:
+    async def run() -> list[bytes]:
+        client = aioredis.Redis.from_url(redis_url)
+        coalescer = Coalescer(client, ECHO)
+        first = await coalescer.call("a")
+        await client.script_flush()  # what a Redis restart does to loaded scripts
+        second = await coalescer.call("b")
+        await client.aclose()
+        return [first, second]
+
+    assert asyncio.run(run()) == [b"a", b"b"]
+
+
+def test_connection_failure_reaches_every_caller() -> None:
+    async def run() -> list[BaseException | bytes]:
+        client = aioredis.Redis(port=1, socket_connect_timeout=0.5)  # nothing listens
+        coalescer = Coalescer(client, ECHO)
+        out = await asyncio.gather(*(coalescer.call("x") for _ in range(5)), return_exceptions=True)
+        await client.aclose()
+        return out
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RedisConnectionError) for r in results), results
+
+
+def test_script_errors_stay_with_their_call(redis_url: str) -> None:
+    async def run() -> list[BaseException | bytes]:
+        client = aioredis.Redis.from_url(redis_url)
+        coalescer = Coalescer(client, "if ARGV[1] == 'bad' then error('nope') end return ARGV[1]")
+        out = await asyncio.gather(
+            coalescer.call("ok"), coalescer.call("bad"), coalescer.call("fine"),
+            return_exceptions=True,
+        )  # fmt: skip
+        await client.aclose()
+        return out
+
+    ok, bad, fine = asyncio.run(run())
+    assert ok == b"ok" and fine == b"fine"
+    with pytest.raises(Exception, match="nope"):
+        raise bad  # type: ignore[misc]
