@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
 from dispatcher.jobs import encode_call
-from dispatcher.scripts import AsyncScripts, options
+from dispatcher.scripts import AsyncScripts
+from dispatcher.settings import ClassConfig, Settings
+from dispatcher.store import Submission, submit_options
 
 HEADERS = {"Gpulane-Queue-Depth": "1", "Gpulane-Estimated-Wait": "-1", "Gpulane-Pressure": "ok"}
 
@@ -48,23 +50,13 @@ async def bare_submit(request: Request) -> JSONResponse:
     return _reply(str(uuid.uuid4()), body)
 
 
+_SETTINGS = Settings()
+_LIMITS = ClassConfig(max_queued=10**7, max_wait_s=1e9)
+
+
 def _submit_args(body: dict[str, Any], task_id: str) -> tuple[str, bytes, bytes]:
-    opts = options(
-        id=task_id,
-        type=body["type"],
-        tenant="default",
-        timeout=600.0,
-        ttl_s=86400,
-        max_queued=10**7,
-        max_wait_s=1e9,
-        reject_without_workers=False,
-        workers=0,
-        run_s=1.0,
-        idem="",
-        idem_ttl_s=86400,
-        classes=["interactive", "batch"],
-        **{"class": "batch"},
-    )
+    sub = Submission(body["type"], "batch", body.get("args", {}), 600.0, "default")
+    opts = submit_options(sub, _LIMITS, 0, 1.0, _SETTINGS)
     return opts, encode_call(body["type"], body.get("args", {})), b""
 
 

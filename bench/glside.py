@@ -9,7 +9,6 @@ helpers enqueue with RQ's own ``Queue`` and JSON serializer.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 import redis
@@ -19,9 +18,12 @@ from rq.serializers import JSONSerializer
 
 from dispatcher import keys
 from dispatcher.jobs import encode_call
-from dispatcher.scripts import SyncScripts, options
+from dispatcher.scripts import SyncScripts
+from dispatcher.settings import ClassConfig, Settings
+from dispatcher.store import Submission, submit_options
 
 RECORD = ("created_ms", "started_ms", "ended_ms", "worker_name", "status")
+UNLIMITED = ClassConfig(max_queued=10_000_000, max_wait_s=1e9)  # benchmarks never refuse
 
 
 class Submitter:
@@ -32,24 +34,11 @@ class Submitter:
         self.classes = classes
         self.workers = workers
         self.scripts = SyncScripts(client)
+        self.settings = Settings(classes={c: UNLIMITED for c in classes}, default_class=classes[-1])
 
     def _opts(self, task_type: str, cls: str) -> str:
-        return options(
-            id=str(uuid.uuid4()),
-            type=task_type,
-            tenant="default",
-            timeout=600.0,
-            ttl_s=86_400,
-            max_queued=10_000_000,
-            max_wait_s=1e9,
-            reject_without_workers=False,
-            workers=self.workers,
-            run_s=1.0,
-            idem="",
-            idem_ttl_s=86_400,
-            classes=self.classes,
-            **{"class": cls},
-        )
+        sub = Submission(task_type, cls, {}, timeout_s=600.0, tenant="default")
+        return submit_options(sub, UNLIMITED, self.workers, 1.0, self.settings)
 
     def submit(self, task_type: str, args: dict[str, Any], cls: str) -> str:
         reply = self.scripts.run(

@@ -13,3 +13,17 @@ from typing import Any
 def stamp() -> dict[str, Any]:
     """No-op: return when the function started (epoch seconds)."""
     return {"t": time.time()}
+
+
+def slow(seconds: float) -> str:
+    """Record each start of this job (epoch seconds, pid) in ``starts:<job id>``, then
+    sleep: the recovery scenario counts the starts."""
+    import os
+
+    from rq import get_current_job
+
+    job = get_current_job()
+    assert job is not None
+    job.connection.rpush(f"starts:{job.id}", f"{time.time()}:{os.getpid()}")
+    time.sleep(seconds)
+    return "done"

@@ -12,9 +12,9 @@ from redis.asyncio import Redis
 from dispatcher.jobs import PUBLIC_STATUS, RECORD_FIELDS, FileMeta, encode_call, record_from_fields
 from dispatcher.pool import ClassState
 from dispatcher.scripts import AsyncScripts, options
-from dispatcher.settings import Settings
+from dispatcher.settings import ClassConfig, Settings
 
-__all__ = ["CancelResult", "Submission", "SubmitResult", "TaskStore"]
+__all__ = ["CancelResult", "Submission", "SubmitResult", "TaskStore", "submit_options"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,32 @@ class CancelResult:
     status: str | None = None
 
 
+def submit_options(
+    sub: Submission, cfg: ClassConfig, workers: int, run_s: float, settings: Settings
+) -> str:
+    """submit.lua's options: the task, its class's limits and the pool's state."""
+    digest = ""
+    if sub.idempotency_key is not None:
+        digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
+    return options(
+        id=str(uuid.uuid4()),
+        type=sub.task_type,
+        tenant=sub.tenant,
+        timeout=sub.timeout_s,
+        ttl_s=settings.result_ttl_s,
+        max_queued=cfg.max_queued,
+        max_wait_s=cfg.max_wait_s,
+        reject_without_workers=cfg.reject_without_workers,
+        workers=workers,
+        run_s=run_s,
+        idem=digest,
+        idem_ttl_s=settings.idempotency_ttl_s,
+        max_in_flight=sub.max_in_flight,
+        classes=settings.class_names,
+        **{"class": sub.cls},
+    )
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -58,27 +84,7 @@ class TaskStore:
         self.scripts = AsyncScripts(client)
 
     async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
-        cfg = state.config
-        digest = ""
-        if sub.idempotency_key is not None:
-            digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
-        opts = options(
-            id=str(uuid.uuid4()),
-            type=sub.task_type,
-            tenant=sub.tenant,
-            timeout=sub.timeout_s,
-            ttl_s=self.settings.result_ttl_s,
-            max_queued=cfg.max_queued,
-            max_wait_s=cfg.max_wait_s,
-            reject_without_workers=cfg.reject_without_workers,
-            workers=state.workers,
-            run_s=state.run_s,
-            idem=digest,
-            max_in_flight=sub.max_in_flight,
-            idem_ttl_s=self.settings.idempotency_ttl_s,
-            classes=self.settings.class_names,
-            **{"class": sub.cls},
-        )
+        opts = submit_options(sub, state.config, state.workers, state.run_s, self.settings)
         data = encode_call(sub.task_type, sub.args, sub.file)
         reply = await self.scripts.run("submit", opts, data, sub.file_data)
         verdict = _text(reply[0])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = ("overhead", "balancing", "scaling", "api", "memory")
+SCENARIOS = ("overhead", "balancing", "scaling", "api", "memory", "priority", "recovery")
 
 
 @pytest.mark.timeout(90)
