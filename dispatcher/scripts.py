@@ -37,6 +37,7 @@ NAMES = (
     "register",
     "unregister",
     "ratelimit",
+    "gpu_lease",
 )
 
 
