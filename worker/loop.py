@@ -87,9 +87,17 @@ class WorkerLoop:
         log.info("task started", extra={**extra, "attempt": claimed.attempt})
         outcome, ctx = self.runner.run(claimed)
         task_type = ctx.task_type if ctx else "-"
-        if outcome.status == "lost" and outcome.error:
+        if (
+            outcome.status == "lost"
+            and outcome.error
+            and self.state.mark_unhealthy(outcome.error["message"])
+        ):
             # Before the report: no task may be claimed on a broken CUDA context.
-            self.state.mark_unhealthy(outcome.error["message"])
+            log.error(
+                "worker unhealthy: %s; it takes no more tasks and exits to be restarted",
+                outcome.error["message"],
+                extra={"worker": self.broker.name},
+            )
         ended_ms = self._report(claimed, outcome, ctx)
         status = PUBLIC_STATUS.get(outcome.status, outcome.status)
         run_s = ((ended_ms or claimed.started_ms) - claimed.started_ms) / 1000

@@ -193,7 +193,7 @@ def run_worker(
             status = worker.serve(tasks or settings.task_modules)
     finally:
         worker.leave()
-    log.info("worker stopped", extra={"worker": worker.state.name})
+    log.info("worker stopped, exit status %d", status or 0, extra={"worker": worker.state.name})
     return status or 0
 
 
