@@ -28,7 +28,7 @@ def _serving(http: httpx.Client, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _claims(r: redis.Redis) -> dict[str, str]:
-    return {k.decode(): r.get(k).decode() for k in r.scan_iter(keys.gpu_claim("*", "*"))}  # type: ignore[arg-type, union-attr]
+    return {k.decode(): r.get(k).decode() for k in r.scan_iter(keys.gpu_claim("*", "*"))}
 
 
 def _waiting(http: httpx.Client, name: str) -> dict[str, Any] | None:

@@ -23,12 +23,12 @@ LONG_LEASE = {"lease_ttl_s": 3.0}  # an unhealthy worker stays listed for one le
 
 def _history(r: redis.Redis, task_id: str) -> list[dict[str, Any]]:
     raw = r.hget(keys.job(task_id), "history")
-    return json.loads(raw) if raw else []  # type: ignore[arg-type]
+    return json.loads(raw) if raw else []
 
 
 def _state(r: redis.Redis, name: str) -> str | None:
     raw = r.hget(keys.worker(name), "state")
-    return raw.decode() if raw else None  # type: ignore[union-attr]
+    return raw.decode() if raw else None
 
 
 def test_fatal_cuda_error_hands_the_task_to_another_worker(
@@ -61,7 +61,7 @@ def test_fatal_cuda_error_hands_the_task_to_another_worker(
 
 
 def _claims_of(r: redis.Redis, name: str) -> list[str]:
-    return [k.decode() for k in r.scan_iter(keys.gpu_claim("*", "*")) if r.get(k) == name.encode()]  # type: ignore[union-attr]
+    return [k.decode() for k in r.scan_iter(keys.gpu_claim("*", "*")) if r.get(k) == name.encode()]
 
 
 def test_a_task_that_breaks_every_gpu_fails_after_its_attempt_budget(

@@ -105,9 +105,9 @@ class Heartbeat:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
-        self._renew_gpu()
-        for task_id in cancels:
+        for task_id in cancels:  # first: the script already took them off the list
             self.cancel(task_id)
+        self._renew_gpu()
         for reaped in self.broker.reap():
             self.recorder.count("requeued", reaped.cls, "worker_lost")
             log.warning(

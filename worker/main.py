@@ -2,9 +2,9 @@
 
 Order matters:
 
-1. register the worker (name checked, visible in ``GET /workers`` from here on) and
-   start the heartbeat, so a worker waiting for a GPU is seen and kept alive;
-2. discover the GPUs and claim one through Redis (waiting while all are claimed);
+1. discover the GPUs and resolve ``--gpu`` (a wrong one fails before Redis is used);
+2. register the worker (name checked, visible in ``GET /workers`` from here on), start
+   the heartbeat, and claim a GPU through Redis, waiting visibly while all are claimed;
 3. pin ``CUDA_VISIBLE_DEVICES`` to the claimed card's UUID, and only then import the
    task modules, so whatever CUDA code they load sees only that card;
 4. register again with the task catalog, and serve.
@@ -103,14 +103,9 @@ class _Worker:
         )
         self.gpu_slot: tuple[str, int] | None = None
 
-    def take_device(self, gpu: str, per_gpu: int) -> int | None:
-        """Choose, claim and pin the device; an exit status if there is none to run on."""
-        try:
-            candidates = select(gpu, [] if gpu == "none" else discover())
-        except DeviceError as exc:
-            log.error("%s", exc, extra={"worker": self.state.name})
-            return EXIT_CONFIG
-        device: Device = candidates[0]
+    def take_device(self, candidates: list[Device], per_gpu: int) -> int | None:
+        """Claim (a GPU) and pin the device; an exit status if there is none to run on."""
+        device = candidates[0]
         if device.kind == "gpu":
             claimed = claim_device(self.broker, self.state, candidates, per_gpu, self.settings)
             if claimed is None:
@@ -179,7 +174,13 @@ def run_worker(
         log.error("unknown classes %s; configured: %s", unknown, settings.class_names)
         return EXIT_CONFIG
     served = [c for c in settings.class_names if c in served]  # priority order
-    worker = _Worker(settings, served, name or f"{socket.gethostname()}.{os.getpid()}")
+    name = name or f"{socket.gethostname()}.{os.getpid()}"
+    try:  # before anything touches Redis: a wrong --gpu fails fast and leaves no trace
+        candidates = select(gpu, [] if gpu == "none" else discover())
+    except DeviceError as exc:
+        log.error("%s", exc, extra={"worker": name})
+        return EXIT_CONFIG
+    worker = _Worker(settings, served, name)
     _install_signals(worker.state, worker.interrupts)
     if not _register(worker.broker, worker.state, settings):
         if not worker.state.stopping:
@@ -188,7 +189,7 @@ def run_worker(
         return 0
     worker.heartbeat.start()
     try:
-        status = worker.take_device(gpu, per_gpu or settings.per_gpu)
+        status = worker.take_device(candidates, per_gpu or settings.per_gpu)
         if status is None and not worker.state.stopping:
             status = worker.serve(tasks or settings.task_modules)
     finally:
