@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import redis
 from conftest import WorkerFactory, submit, wait_status
+from support.observe import scrape
 from support.servers import WorkerProcess, fake_gpu_env, wait_for
 
 from dispatcher import keys
@@ -66,6 +67,19 @@ def test_five_workers_share_four_gpus_and_the_waiter_takes_a_freed_card(
     assert by_index[1]["temperature_c"] == 41 and by_index[1]["power_w"] == 125.0
     assert by_index[3]["power_w"] is None and by_index[3]["temperature_c"] is None  # unsupported
 
+    # The same sample in /metrics, by worker and GPU index; unsupported ones absent.
+    metrics = scrape(http)
+    name1 = next(n for n, w in _serving(http, names).items() if w["device"]["index"] == 1)
+    name3 = next(n for n, w in _serving(http, names).items() if w["device"]["index"] == 3)
+    gpu1, gpu3 = {"worker": name1, "gpu": "1"}, {"worker": name3, "gpu": "3"}
+    assert metrics.value("gpulane_gpu_utilization_ratio", **gpu1) == 0.2
+    assert metrics.value("gpulane_gpu_memory_used_bytes", **gpu1) == 2 * 2**30
+    assert metrics.value("gpulane_gpu_temperature_celsius", **gpu1) == 41
+    assert metrics.value("gpulane_gpu_power_watts", **gpu1) == 125
+    assert metrics.value("gpulane_gpu_power_watts", **gpu3) is None
+    assert metrics.value("gpulane_gpu_memory_total_bytes", **gpu3) == 80 * 2**30
+    assert metrics.value("gpulane_workers", state="waiting_for_gpu") == 1
+
     waiting = _workers(http)[waiter]
     assert waiting["device"] is None and "waiting for a free GPU" in waiting["reason"]
     waiter_proc = next(p for p in procs if p.name == waiter)
@@ -114,6 +128,11 @@ def test_per_gpu_lets_two_workers_share_a_card(
     assert listed[b.name]["device"]["uuid"] == uuid
     assert _claims(r) == {keys.gpu_claim(uuid, 0): a.name, keys.gpu_claim(uuid, 1): b.name}
     assert "2 workers per GPU" in listed[c.name]["reason"]
+    # A waiting worker stops cleanly on SIGTERM and leaves the pool.
+    d = start_worker("share-d", wait=False, extra=share, env=env)
+    wait_for(lambda: _waiting(http, d.name), 20, what="a fourth worker to wait")
+    assert d.terminate() == 0
+    wait_for(lambda: d.name not in _workers(http), 5, what="the fourth to leave the pool")
     # A clean exit releases the slot at once (compare-and-delete), no lease to wait out.
     assert b.terminate() == 0
     wait_for(lambda: _serving(http, [c.name]), 15, what="the third worker to take the slot")
