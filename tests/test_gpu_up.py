@@ -87,7 +87,12 @@ def test_up_runs_one_claiming_worker_per_gpu_and_restarts_them(
             )
             lines = [line for line in up.output().splitlines() if f"{name1} (gpu1 " in line]
             exits = [int(m.group(1)) for m in map(re.compile(r"status (\d+)").search, lines) if m]
-            assert exits[-6:] == [71, 2, 2, 2, 2, 2], up.output()  # unhealthy, then no card
+            # Unhealthy (71) while the card died, then "no such GPU" (2) until given up;
+            # how many of each `up` saw depends on how quickly each exit came.
+            first_no_card = exits.index(2)
+            assert exits[first_no_card - 1] == 71, up.output()
+            assert set(exits[first_no_card:]) == {2}, up.output()
+            assert "not restarting it" in lines[-1], up.output()
             states = {w["name"]: w["state"] for w in http.get("/workers").json()["workers"]}
             assert states.get(name1) is None or states[name1] == "unhealthy"
             assert any(s in ("idle", "busy") for n, s in states.items() if n != name1)
