@@ -10,13 +10,13 @@ __all__ = ["EXIT_CONFIG", "EXIT_NO_GPU", "EXIT_STUCK", "EXIT_UNHEALTHY", "descri
 
 EXIT_CONFIG = 2  # bad flags or configuration, or a name another live worker holds
 EXIT_STUCK = 70  # a task ignored its timeout in native code; it was reported failed
-EXIT_UNHEALTHY = 71  # the GPU faulted or stopped answering; the task was handed back
+EXIT_UNHEALTHY = 71  # GPU fault, device lost or hung, or GPU claim lost; task handed back
 EXIT_NO_GPU = 75  # no GPU claim became free within gpu_wait_s (EX_TEMPFAIL)
 
 _MEANING = {
     EXIT_CONFIG: "configuration error",
     EXIT_STUCK: "a task was stuck past its timeout",
-    EXIT_UNHEALTHY: "its GPU faulted or stopped answering; task handed back",
+    EXIT_UNHEALTHY: "unhealthy: its GPU faulted, stopped answering or was claimed by another",
     EXIT_NO_GPU: "no free GPU within gpu_wait_s",
 }
 

@@ -14,7 +14,7 @@ from support.observe import scrape
 from support.servers import WorkerProcess, fake_gpu_env, wait_for
 
 from dispatcher import keys
-from dispatcher.exits import EXIT_NO_GPU
+from dispatcher.exits import EXIT_NO_GPU, EXIT_UNHEALTHY
 
 GPU = ["--gpu", "auto"]
 
@@ -158,3 +158,17 @@ def test_explicit_gpu_still_claims_and_waits_for_its_holder(
     assert holder.terminate() == 0
     wait_for(lambda: _serving(http, [second.name]), 15, what="--gpu 1 to get its card")
     assert _workers(http)[second.name]["device"]["index"] == 1
+
+
+def test_a_lost_claim_is_retaken_or_ends_the_worker(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("claimant", extra=GPU, env=fake_gpu_env(1))
+    [key] = _claims(r)
+    r.delete(key)  # expired while the worker stalled, and nobody took it: taken again
+    wait_for(lambda: r.get(key) == b"claimant", 5, what="the claim to be taken again")
+    assert "GPU claim had expired; taken again" in worker.output()
+    r.set(key, "intruder", px=60_000)  # someone else holds the card now
+    assert worker.process.wait(20) == EXIT_UNHEALTHY, worker.output()
+    assert "was taken by intruder" in worker.output()
+    assert r.get(key) == b"intruder"  # the leaving worker's release deletes only its own

@@ -66,7 +66,9 @@ def test_up_runs_one_claiming_worker_per_gpu_and_restarts_them(
                 what="the faulted task to succeed on its second attempt",
             )
             wait_for(
-                lambda: re.search(r"exited with status 71 \(its GPU faulted", up.output()),
+                lambda: re.search(
+                    r"exited with status 71 \(unhealthy: its GPU faulted", up.output()
+                ),
                 10,
                 what="up to report the unhealthy exit",
             )

@@ -125,7 +125,7 @@ class _Worker:
         self.state.task_types = REGISTRY.names()
         self.runner.device = self.state.device_json() or {}
         if not _register(self.broker, self.state, self.settings):
-            return 0  # stopped while Redis was away
+            return 0  # stopped (or found unhealthy) before it could serve
         device = self.state.device
         log.info(
             "worker ready on %s (%s%s), classes %s, tasks %s",
@@ -137,7 +137,7 @@ class _Worker:
             extra={"worker": self.state.name},
         )
         WorkerLoop(self.broker, self.runner, self.state, self.recorder, self.settings).run()
-        return EXIT_UNHEALTHY if self.state.unhealthy else 0
+        return 0
 
     def leave(self) -> None:
         """Release the GPU claim, unregister and flush the last metrics. An unhealthy
@@ -194,6 +194,8 @@ def run_worker(
             status = worker.serve(tasks or settings.task_modules)
     finally:
         worker.leave()
+    if worker.state.unhealthy:  # whenever it happened: the supervisor must restart it
+        status = EXIT_UNHEALTHY
     log.info("worker stopped, exit status %d", status or 0, extra={"worker": worker.state.name})
     return status or 0
 
