@@ -46,7 +46,18 @@ def _parser() -> argparse.ArgumentParser:
     api.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # a socket `gpulane up` holds
 
     worker = sub.add_parser("worker", help="run one worker process")
-    worker.add_argument("--gpu", default="auto", help="auto, none, a GPU index or UUID")
+    worker.add_argument(
+        "--gpu",
+        default="auto",
+        help="auto: claim a free GPU (wait if all are claimed); none: the cpu; an index or "
+        "UUID: claim that GPU (wait while another worker holds it)",
+    )
+    worker.add_argument(
+        "--per-gpu",
+        type=int,
+        metavar="K",
+        help="up to K workers share one GPU (default: GPULANE_PER_GPU, 1)",
+    )
     worker.add_argument("--classes", type=_csv, help="classes to serve (default: all)")
     worker.add_argument("--tasks", type=_csv, help="task modules to load (default: built-ins)")
     worker.add_argument("--name", help="worker name (default: host.pid)")
@@ -137,7 +148,17 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
 def _cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
     from worker.main import run_worker
 
-    return run_worker(settings, gpu=ns.gpu, classes=ns.classes, tasks=ns.tasks, name=ns.name)
+    if ns.per_gpu is not None and ns.per_gpu < 1:
+        print("gpulane worker: --per-gpu takes a positive number", file=sys.stderr)
+        return EXIT_USAGE
+    return run_worker(
+        settings,
+        gpu=ns.gpu,
+        classes=ns.classes,
+        tasks=ns.tasks,
+        name=ns.name,
+        per_gpu=ns.per_gpu,
+    )
 
 
 def _api_url(ns: argparse.Namespace, settings: Settings) -> str:

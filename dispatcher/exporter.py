@@ -41,7 +41,7 @@ Labels = tuple[str, ...]
 # The states a worker publishes (worker.state.State; dispatcher/ does not import worker/).
 # Each is exported even at zero so that an alert on `gpulane_workers{state="idle"} == 0`
 # has a series to evaluate instead of an absent one.
-WORKER_STATES = ("starting", "idle", "busy", "stopping")
+WORKER_STATES = ("starting", "waiting_for_gpu", "idle", "busy", "stopping", "unhealthy")
 
 _HELP = {
     "submitted": "Tasks accepted by the API.",
@@ -166,6 +166,16 @@ def _device_gauges(workers: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
     total = GaugeMetricFamily(
         "gpulane_gpu_memory_total_bytes", "GPU memory installed.", labels=("worker", "gpu")
     )
+    temperature = GaugeMetricFamily(
+        "gpulane_gpu_temperature_celsius",
+        "GPU die temperature (absent where the card cannot tell).",
+        labels=("worker", "gpu"),
+    )
+    power = GaugeMetricFamily(
+        "gpulane_gpu_power_watts",
+        "GPU power draw (absent where the card cannot tell).",
+        labels=("worker", "gpu"),
+    )
     for worker in workers:
         device = worker.get("device") or {}
         if device.get("kind") != "gpu":
@@ -176,11 +186,13 @@ def _device_gauges(workers: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
             (util, "utilization"),
             (used, "memory_used_bytes"),
             (total, "memory_total_bytes"),
+            (temperature, "temperature_c"),
+            (power, "power_w"),
         ):
             value = device.get(key)
             if value is not None and math.isfinite(float(value)):
                 family.add_metric(labels, float(value))
-    yield from (util, used, total)
+    yield from (util, used, total, temperature, power)
 
 
 def _pool_gauges(snap: Snapshot) -> Iterator[Metric]:

@@ -30,6 +30,14 @@ gpulane's keys::
     gpulane:rate:<tenant>            HASH   the tenant's token bucket: tokens, at_ms
     gpulane:reaper:lock              STRING one reaper at a time (SET NX PX)
     gpulane:reaper:last              STRING Redis time of the last reaper pass (ms)
+    gpulane:gpu:<uuid>:<slot>        STRING name of the worker holding that claim slot of
+                                            the GPU (slots 0..per_gpu-1), PX lease_ttl;
+                                            taken and renewed by gpu_lease.lua
+
+GPU claims are keyed by the card's NVML UUID alone, not by host name: a UUID names
+one physical card (or MIG instance) worldwide, while a host name is per container, so
+``docker compose up --scale worker=4`` replicas on one machine, each with its own
+host name, must still meet on the same key for the same card.
 
 Lua scripts get the same functions through :func:`lua_prelude`, generated from this
 module, so a layout change here reaches every script.
@@ -46,6 +54,7 @@ __all__ = [
     "WORKERS",
     "control",
     "file",
+    "gpu_claim",
     "idem",
     "idle",
     "inflight",
@@ -84,6 +93,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "idem": (_P + "idem:", ("tenant", "digest"), ""),
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
+    "gpu_claim": (_P + "gpu:", ("uuid", "slot"), ""),
 }
 
 
@@ -138,6 +148,10 @@ def tenant_tasks(tenant: str) -> str:
 
 def rate(tenant: str) -> str:
     return _build("rate", tenant)
+
+
+def gpu_claim(uuid: str, slot: int) -> str:
+    return _build("gpu_claim", uuid, str(slot))
 
 
 def lua_prelude() -> str:

@@ -14,7 +14,12 @@ from dispatcher import admission, keys
 from dispatcher.jobs import iso_ms
 from dispatcher.settings import ClassConfig, Settings
 
-__all__ = ["ClassState", "Pool", "Snapshot"]
+__all__ = ["NOT_SERVING", "ClassState", "Pool", "Snapshot"]
+
+# Live workers that take no task yet or any more: loading (registered before it has a
+# device and its task modules), waiting for a free GPU, or on its way out after a GPU
+# fault. Admission must not count them as capacity.
+NOT_SERVING = frozenset({"starting", "waiting_for_gpu", "unhealthy"})
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ def _worker_view(
 ) -> dict[str, Any]:
     # The in-flight list is the truth about busy/idle; the published state lags a beat.
     state = info.get("state", "starting")
-    if current and state != "stopping":
+    if current and state not in ("stopping", "unhealthy"):
         state = "busy"
     elif state == "busy":
         state = "idle"
@@ -83,6 +88,7 @@ def _worker_view(
         "tasks_failed": int(info.get("tasks_failed", 0)),
         "last_heartbeat": iso_ms(int(heartbeat)) if heartbeat else None,
         "device": json.loads(info.get("device", "null")),
+        "reason": info.get("reason") or None,
     }
 
 
@@ -106,6 +112,8 @@ class _Tally:
                 self.running[cls] += 1
         view = _worker_view(name, info, current)
         self.workers.append(view)
+        if view["state"] in NOT_SERVING:
+            return
         for cls in view["classes"]:
             if cls in self.serving:
                 self.serving[cls] += 1

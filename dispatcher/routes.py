@@ -16,7 +16,7 @@ from dispatcher.auth import Authenticator, Principal
 from dispatcher.catalog import Catalog
 from dispatcher.errors import STORE_RETRY_AFTER_S, ApiError, error_body
 from dispatcher.metrics import Recorder
-from dispatcher.pool import ClassState, Pool, Snapshot
+from dispatcher.pool import NOT_SERVING, ClassState, Pool, Snapshot
 from dispatcher.ratelimit import RateLimiter
 from dispatcher.settings import Settings
 from dispatcher.store import Submission, SubmitResult, TaskStore
@@ -258,4 +258,12 @@ async def health(request: Request, response: Response) -> dict[str, Any]:
             **error_body("store_unavailable", "The task store (Redis) is unreachable."),
         }
     snap = svc.pool.latest
-    return {"status": "ok", "redis": "ok", "workers": len(snap.workers) if snap else 0}
+    workers = snap.workers if snap else []
+    return {
+        "status": "ok",
+        "redis": "ok",
+        "workers": len(workers),
+        # Live workers able to take a task now (not starting, waiting for a GPU or
+        # unhealthy): what a readiness check wants.
+        "serving": sum(w["state"] not in NOT_SERVING for w in workers),
+    }

@@ -38,6 +38,7 @@ NAMES = (
     "register",
     "unregister",
     "ratelimit",
+    "gpu_lease",
 )
 
 

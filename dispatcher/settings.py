@@ -161,6 +161,25 @@ class Settings(BaseSettings):
         default_factory=lambda: ["worker.tasks.builtin"],
         description="Modules whose @task functions workers load (`worker --tasks` overrides).",
     )
+    per_gpu: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Workers that may share one GPU (claim slots per card; `worker --per-gpu`). "
+        "Use the same value for every worker of a host.",
+    )
+    gpu_wait_s: float | None = Field(
+        None,
+        ge=0,
+        description="How long a worker waits for a free GPU before it exits with status 75; "
+        "unset: as long as it takes (an extra replica stands by for a card).",
+    )
+    gpu_sample_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="An NVML sample unanswered this long means the device stopped answering: "
+        "the worker hands its task back, reports itself unhealthy and exits.",
+    )
     fault_point: Literal["", "after_claim"] = Field(
         "", description="Testing only: a worker SIGKILLs itself at this point."
     )

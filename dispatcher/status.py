@@ -36,6 +36,10 @@ def _device(device: dict[str, Any] | None) -> str:
         parts.append(f"{util * 100:.0f}%")
     if total:
         parts.append(f"{_bytes(used)}/{_bytes(total)}")
+    if device.get("temperature_c") is not None:
+        parts.append(f"{device['temperature_c']:.0f}°C")
+    if device.get("power_w") is not None:
+        parts.append(f"{device['power_w']:.0f}W")
     return " ".join(parts)
 
 

@@ -4,7 +4,11 @@ Starts a private redis-server (unless a Redis URL is given), the API, and one wo
 per GPU (``cpu_workers`` CPU workers where there is none); restarts a process that
 exits, with capped backoff, and stops restarting one that crash-loops; on Ctrl-C or
 SIGTERM stops the workers (a running task may finish within the shutdown grace), then
-the API, then Redis.
+the API, then Redis. Each GPU worker is started with ``--gpu <UUID>`` and still claims
+its card through Redis like any other worker, so a restarted worker waits for its
+predecessor's claim, and workers from elsewhere on the host cannot double-book a card.
+Status lines name each worker's device, and explain the exit statuses that mean
+something (a GPU fault, a stuck task).
 
 Two ``gpulane up`` on one machine do not collide: Redis listens on a socket in the
 data directory, the data directory is locked (a second instance using the default
@@ -30,6 +34,7 @@ from typing import IO, Any
 import httpx
 
 from dispatcher.embedded_redis import EmbeddedRedis
+from dispatcher.exits import describe
 from dispatcher.settings import Settings
 
 __all__ = ["Supervisor", "UpError", "read_up_file"]
@@ -207,28 +212,29 @@ class Supervisor:
 
     def _worker_children(self, env: dict[str, str]) -> list[Child]:
         gpus = self._devices()
-        count = self.settings.cpu_workers if not gpus else len(gpus)
-        if self.workers_spec != "auto":
-            count = int(self.workers_spec)
-        host = socket.gethostname().split(".")[0]
+        if not gpus:
+            count = (
+                self.settings.cpu_workers if self.workers_spec == "auto" else int(self.workers_spec)
+            )
+            return [self._worker(env, f"cpu{i}", ["--gpu", "none"], "cpu") for i in range(count)]
+        count = len(gpus) if self.workers_spec == "auto" else int(self.workers_spec)
+        # More workers than GPUs: they share cards, ceil(count / GPUs) per card. Each
+        # worker still claims its slot through Redis (`--gpu <UUID>`), so `up` and any
+        # other worker on this host (another `up`, a container) agree on who has which.
+        per_gpu = max(-(-count // len(gpus)), self.settings.per_gpu)
         children = []
         for i in range(count):
-            gpu = gpus[i % len(gpus)] if gpus else None
-            label = f"gpu{gpu['index']}" if gpu else f"cpu{i}"
-            name = f"{host}.{label}" if not gpu or count <= len(gpus) else f"{host}.{label}.{i}"
-            argv = [
-                sys.executable,
-                "-m",
-                "dispatcher.cli",
-                "worker",
-                "--name",
-                name,
-                "--gpu",
-                gpu["uuid"] if gpu else "none",
-            ]
-            device = f"{gpu['name']} ({gpu['uuid']})" if gpu else "cpu"
-            children.append(Child(name, argv, env, label=device))
+            gpu = gpus[i % len(gpus)]
+            label = f"gpu{gpu['index']}" if count <= len(gpus) else f"gpu{gpu['index']}.{i}"
+            argv = ["--gpu", str(gpu["uuid"]), "--per-gpu", str(per_gpu)]
+            device = f"gpu{gpu['index']} {gpu['name']} {gpu['uuid']}"
+            children.append(self._worker(env, label, argv, device))
         return children
+
+    def _worker(self, env: dict[str, str], label: str, gpu_args: list[str], device: str) -> Child:
+        name = f"{socket.gethostname().split('.')[0]}.{label}"
+        argv = [sys.executable, "-m", "dispatcher.cli", "worker", "--name", name, *gpu_args]
+        return Child(name, argv, env, label=device)
 
     def _start(self) -> str:
         self._claim_data_dir()
@@ -263,7 +269,7 @@ class Supervisor:
         while time.monotonic() < deadline and not self.stopping:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 health = httpx.get(f"{url}/health", timeout=1).json()
-                if health.get("status") == "ok" and health.get("workers", 0) >= expected:
+                if health.get("status") == "ok" and health.get("serving", 0) >= expected:
                     say(f"ready: {url}  (dashboard {url}/, API docs {url}/docs); Ctrl-C stops")
                     return
             self._watch_once()
@@ -278,17 +284,21 @@ class Supervisor:
         for child in self.children:
             code = child.poll_exit()
             if code is not None and not self.stopping:
+                why = describe(code)
+                ended = f"{child.name} ({child.label}) exited with status {code}"
+                ended += f" ({why})" if why else ""
                 if child.schedule_restart(now):
                     delay = (child.restart_at or now) - now
-                    say(f"{child.name} exited with status {code}; restarting in {delay:.1f} s")
+                    say(f"{ended}; restarting in {delay:.1f} s")
                 else:
                     say(
-                        f"{child.name} exited {CRASH_LIMIT} times in a row within "
-                        f"{HEALTHY_AFTER_S:g} s of starting; not restarting it (see its log above)"
+                        f"{ended}, {CRASH_LIMIT} times in a row within {HEALTHY_AFTER_S:g} s "
+                        "of starting; not restarting it (see its log above)"
                     )
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.start()
-                say(f"restarted {child.name}, pid {child.process.pid if child.process else '?'}")
+                pid = child.process.pid if child.process else "?"
+                say(f"restarted {child.name} ({child.label}), pid {pid}")
         if self.redis is not None and not self.redis.alive() and not self.stopping:
             say("redis-server exited; restarting it (AOF keeps the queues)")
             self.redis.start()

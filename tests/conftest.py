@@ -115,11 +115,15 @@ def start_worker(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Wor
         proc = WorkerProcess(name, environment, args + (extra or []))
         started.append(proc)
         if wait:
+            # Serving: registered with its task types and past its first claim. (A worker
+            # is listed earlier, while it loads or waits for a GPU.)
             watch = redis.Redis.from_url(redis_url_override) if redis_url_override else client
             wait_for(
-                lambda: watch.zscore(keys.WORKERS, name) is not None or not proc.alive(),
+                lambda: (
+                    watch.hget(keys.worker(name), "state") in (b"idle", b"busy") or not proc.alive()
+                ),
                 20,
-                what=f"worker {name} to register",
+                what=f"worker {name} to serve",
             )
             assert proc.alive(), proc.output()
         return proc

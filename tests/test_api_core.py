@@ -165,7 +165,12 @@ def test_unknown_task_id_is_404(http: httpx.Client) -> None:
 
 
 def test_health_counts_workers(http: httpx.Client, start_worker: WorkerFactory) -> None:
-    assert http.get("/health").json() == {"status": "ok", "redis": "ok", "workers": 0}
+    assert http.get("/health").json() == {
+        "status": "ok",
+        "redis": "ok",
+        "workers": 0,
+        "serving": 0,
+    }
     start_worker()
     from support.servers import wait_for
 

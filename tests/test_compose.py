@@ -1,4 +1,10 @@
-"""compose.yaml holds the settings the README promises."""
+"""compose.yaml and the CPU overlay compose.cpu.yaml hold what the README promises.
+
+The overlay is checked as Compose applies it: with `docker compose config` where the
+Compose plugin is installed (it needs no engine), else with the subset of Compose's
+merge rules these files use, done here (mappings merge key by key, a sequence or
+scalar replaces, `!reset` removes).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,50 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+RESET = object()  # what `!reset` loads as
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+_ComposeLoader.add_constructor(
+    "!override",
+    lambda loader, node: (
+        loader.construct_object(node, deep=True)  # type: ignore[no-untyped-call]
+        if not isinstance(node, yaml.MappingNode)
+        else loader.construct_mapping(node, deep=True)
+    ),
+)
+
+
+def _load(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.load(
+        (ROOT / name).read_text(), Loader=_ComposeLoader
+    )  # a SafeLoader
+    return data
 
 
 def _compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    return data
+    return _load("compose.yaml")
+
+
+def merge(base: Any, overlay: Any) -> Any:
+    if isinstance(base, dict) and isinstance(overlay, dict):
+        out = dict(base)
+        for key, value in overlay.items():
+            if value is RESET:
+                out.pop(key, None)
+            else:
+                out[key] = merge(base.get(key), value)
+        return out
+    return overlay
+
+
+def _merged_in_python() -> dict[str, Any]:
+    merged: dict[str, Any] = merge(_compose(), _load("compose.cpu.yaml"))
+    return merged
 
 
 def test_services() -> None:
@@ -40,6 +85,33 @@ def test_api_and_worker() -> None:
     for name in ("api", "worker"):
         assert services[name]["environment"]["GPULANE_REDIS_URL"].startswith("redis://redis:")
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def _gpu_reservations(worker: dict[str, Any]) -> list[dict[str, Any]]:
+    reservations = worker.get("deploy", {}).get("resources", {}).get("reservations", {})
+    return list(reservations.get("devices") or [])
+
+
+def test_workers_get_every_gpu_and_claim_one_each() -> None:
+    worker = _compose()["services"]["worker"]
+    assert worker["command"] == ["gpulane", "worker", "--gpu", "auto"]
+    [gpus] = _gpu_reservations(worker)
+    assert gpus["driver"] == "nvidia"
+    assert gpus["count"] == "all"  # each replica claims its own card through Redis
+    assert "gpu" in gpus["capabilities"]
+    assert "utility" in worker["environment"]["NVIDIA_DRIVER_CAPABILITIES"]  # NVML
+
+
+def test_cpu_overlay_runs_the_same_stack_without_gpus() -> None:
+    overlay = _load("compose.cpu.yaml")
+    assert set(overlay["services"]) == {"worker"}  # only the worker changes
+    merged = _merged_in_python()
+    assert set(merged["services"]) == set(_compose()["services"])
+    worker = merged["services"]["worker"]
+    assert worker["command"] == ["gpulane", "worker", "--gpu", "none"]
+    assert _gpu_reservations(worker) == []
+    assert worker["environment"] == _compose()["services"]["worker"]["environment"]
+    assert worker["restart"] == "unless-stopped" and worker["stop_grace_period"] == "40s"
 
 
 def test_dockerfile_installs_the_package() -> None:

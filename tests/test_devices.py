@@ -1,83 +1,172 @@
-"""Device discovery at the NVML boundary: no NVIDIA here means the cpu device."""
+"""Device discovery and telemetry at the NVML boundary: the real pynvml here (no
+driver: the cpu device), and the fake pynvml of tests/support/fake_nvml for GPUs."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import sys
-import types
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+from support.servers import FAKE_NVML, wait_for
 
 from worker import devices
-from worker.devices import CPU, Device, DeviceError, discover, pin, select
+from worker.devices import CPU, Device, DeviceError, DeviceLost, discover, pin, select, telemetry
+from worker.sampler import DeviceWatch
 
 
-class FakeNVMLError(Exception):
-    pass
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The fake pynvml with 4 GPUs, loaded fresh; NVML state in worker.devices reset."""
+    monkeypatch.setenv("GPULANE_FAKE_NVML", "4")
+    monkeypatch.delenv("GPULANE_FAKE_NVML_DIR", raising=False)
+    monkeypatch.syspath_prepend(str(FAKE_NVML))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    module = importlib.import_module("pynvml")
+    assert module.__file__ and Path(module.__file__).parent == FAKE_NVML
+    devices.reset()
+    yield module
+    devices.reset()
+    sys.modules.pop("pynvml", None)
 
 
-def fake_pynvml(count: int = 4, init_error: bool = False) -> types.ModuleType:
-    """A stand-in for nvidia-ml-py with `count` GPUs whose UUIDs do not follow index order."""
-    module = types.ModuleType("pynvml")
-    module.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
-    uuids = [f"GPU-{i:08x}-aaaa" for i in reversed(range(count))]
-
-    def init() -> None:
-        if init_error:
-            raise FakeNVMLError("Driver Not Loaded")
-
-    memory = types.SimpleNamespace(total=80 * 2**30, used=2**30)
-    module.nvmlInit = init  # type: ignore[attr-defined]
-    module.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    module.nvmlDeviceGetCount = lambda: count  # type: ignore[attr-defined]
-    module.nvmlDeviceGetHandleByIndex = lambda i: i  # type: ignore[attr-defined]
-    module.nvmlDeviceGetUUID = lambda h: uuids[h]  # type: ignore[attr-defined]
-    module.nvmlDeviceGetName = lambda h: b"NVIDIA H100"  # type: ignore[attr-defined]
-    module.nvmlDeviceGetMemoryInfo = lambda h: memory  # type: ignore[attr-defined]
-    return module
+@pytest.fixture
+def real_nvml() -> Iterator[None]:
+    sys.modules.pop("pynvml", None)
+    devices.reset()
+    yield
+    devices.reset()
 
 
-def test_no_nvidia_here_means_cpu() -> None:
-    assert discover() == []  # this machine has no driver: logged, not raised
-    assert select("auto", []) == CPU
+def test_no_nvidia_here_means_cpu(real_nvml: None, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, "gpulane.devices"):
+        assert discover() == []  # this machine has no driver: logged, not raised
+        assert discover() == []
+        assert telemetry(Device("gpu", 0, "GPU-x", "x")) == {}
+    assert len([r for r in caplog.records if "cpu device" in r.message]) == 1  # once
+    assert select("auto", []) == [CPU]
     assert CPU.to_json()["kind"] == "cpu"
 
 
-def test_discovery_with_fake_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(4))
+def test_discovery_by_uuid(fake_nvml: ModuleType) -> None:
     found = discover()
     assert [d.index for d in found] == [0, 1, 2, 3]
-    assert found[0].uuid == "GPU-00000003-aaaa" and found[0].name == "NVIDIA H100"
+    assert found[0].uuid == "GPU-fa4e0003-0000-4000-8000-000000000000"  # not in index order
+    assert found[0].name == "NVIDIA Fake H100 80GB HBM3"  # bytes from older pynvml decoded
     assert found[2].memory_total_bytes == 80 * 2**30
-    assert select("2", found) == found[2]
-    assert select("GPU-00000000-aaaa", found) == found[3]
+    assert select("2", found) == [found[2]]
+    assert select(str(found[3].uuid), found) == [found[3]]
+    assert select("auto", found) == found
+    assert select("none", found) == [CPU]
     with pytest.raises(DeviceError, match="no GPU '7'"):
         select("7", found)
 
 
-def test_driver_not_loaded_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(init_error=True))
+def test_nvml_initialised_once_per_process(fake_nvml: ModuleType) -> None:
+    found = discover()
+    for _ in range(50):
+        telemetry(found[1])
+    discover()
+    assert fake_nvml.calls["nvmlInit"] == 1
+    assert fake_nvml.calls["nvmlShutdown"] == 0  # kept open; closed at exit
+    assert fake_nvml.calls["nvmlDeviceGetHandleByUUID"] == 1  # handle cached
+
+
+def test_telemetry_sample_and_unsupported_metrics(fake_nvml: ModuleType) -> None:
+    found = discover()
+    assert telemetry(found[1]) == {
+        "utilization": 0.2,
+        "memory_used_bytes": 2 * 2**30,
+        "memory_total_bytes": 80 * 2**30,
+        "temperature_c": 41,
+        "power_w": 125.0,
+    }
+    card3 = telemetry(found[3])  # supports neither power nor temperature
+    assert card3["temperature_c"] is None and card3["power_w"] is None
+    assert card3["utilization"] == 0.4
+    body = found[3].to_json(card3)
+    assert body["kind"] == "gpu" and body["uuid"] == found[3].uuid
+    assert body["power_w"] is None and body["memory_used_bytes"] == 4 * 2**30
+    assert telemetry(CPU) == {}
+
+
+def test_lost_gpu(fake_nvml: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPULANE_FAKE_NVML_DIR", str(tmp_path))
+    found = discover()
+    (tmp_path / "lost-2").touch()
+    with pytest.raises(DeviceLost, match="GPU is lost"):
+        telemetry(found[2])
+    assert telemetry(found[1])["utilization"] == 0.2  # the others still answer
+    devices.reset()
+    # A lost card is left out of discovery; the host does not become a cpu host.
+    assert [d.index for d in discover()] == [0, 1, 3]
+    with pytest.raises(DeviceError, match="no GPU '2'"):
+        select("2", discover())
+
+
+def test_driver_not_loaded_is_cpu(fake_nvml: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULANE_FAKE_NVML", "0")  # nvmlInit raises LibraryNotFound
     assert discover() == []
+
+
+def test_device_watch_reports_a_lost_and_a_hung_device(
+    fake_nvml: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GPULANE_FAKE_NVML_DIR", str(tmp_path))
+    gpu0, gpu1 = discover()[:2]
+    watch = DeviceWatch(gpu0, interval_s=0.01, timeout_s=0.3).start()
+    hung = DeviceWatch(gpu1, interval_s=0.01, timeout_s=0.3)
+    try:
+        wait_for(lambda: watch.latest().get("utilization") == 0.1, 5, what="a first sample")
+        assert watch.problem() is None
+        (tmp_path / "lost-0").touch()
+        assert "is lost" in wait_for(watch.problem, 5, what="the lost GPU to be noticed")
+        (tmp_path / "hang-1").touch()
+        hung.start()
+        assert "stopped answering" in wait_for(hung.problem, 5, what="the hang to be noticed")
+    finally:
+        (tmp_path / "hang-1").unlink(missing_ok=True)
+        watch.stop()
+        hung.stop()
+
+
+def test_sampling_cost_is_small(fake_nvml: ModuleType) -> None:
+    """Reports the Python-side cost of one heartbeat's sample (no assertion on time:
+    scripts/telemetry_cost.py is the measurement; this keeps it exercised)."""
+    gpu = discover()[0]
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        telemetry(gpu)
+    per_sample_us = (time.perf_counter() - start) / n * 1e6
+    print(f"telemetry() with the fake pynvml: {per_sample_us:.1f} us per sample")
+    assert fake_nvml.calls["nvmlDeviceGetUtilizationRates"] == n
 
 
 def test_pin_uses_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "environ", dict(os.environ))
     pin(Device("gpu", 1, "GPU-1234", "x"))
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-1234"
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     pin(CPU)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_module_has_no_import_of_cuda_libraries() -> None:
-    source = Path(devices.__file__).read_text()
-    for library in ("torch", "cupy", "tensorflow"):
-        assert f"import {library}" not in source
+def test_worker_never_imports_cuda_libraries() -> None:
+    for module in ("devices", "health", "sampler", "execute", "main", "claim", "heartbeat"):
+        source = (Path(devices.__file__).parent / f"{module}.py").read_text()
+        for library in ("torch", "cupy", "tensorflow", "jax"):
+            assert f"import {library}" not in source, (module, library)
 
 
 def _json(device: Device) -> dict[str, Any]:
-    return device.to_json({"utilization": 0.5, "memory_used_bytes": 1})
+    return device.to_json({"utilization": 0.5, "memory_used_bytes": 1, "power_w": 70.5})
 
 
 def test_device_json_shape() -> None:
@@ -90,4 +179,6 @@ def test_device_json_shape() -> None:
         "utilization": 0.5,
         "memory_used_bytes": 1,
         "memory_total_bytes": 10,
+        "temperature_c": None,
+        "power_w": 70.5,
     }

@@ -38,6 +38,8 @@ GAUGES = {
     "gpulane_gpu_utilization_ratio",
     "gpulane_gpu_memory_used_bytes",
     "gpulane_gpu_memory_total_bytes",
+    "gpulane_gpu_temperature_celsius",
+    "gpulane_gpu_power_watts",
 }
 HISTOGRAMS = {
     "gpulane_queue_wait_seconds": ("class",),

@@ -119,16 +119,44 @@ class Broker:
         verdict = _text(reply[0])
         return verdict, int(reply[1]) if verdict == "ok" else None
 
-    def release(self, task: Claimed, at_head: bool = True) -> str:
-        """Give the task back (head: shutdown; tail: retry) without counting a loss."""
+    def release(
+        self, task: Claimed, at_head: bool = True, fault: dict[str, Any] | None = None
+    ) -> str:
+        """Give the task back (head: shutdown; tail: retry) without counting a loss; with
+        a ``fault`` ({code, message}) as a lost attempt, which may fail the task."""
         opts = options(
+            **self._lease_opts(),
             id=task.task_id,
-            worker=self.name,
-            classes=self._all,
             at_head=at_head,
+            **({"fault": fault} if fault else {}),
             **{"class": task.cls},
         )
         return _text(self._scripts.run("release", opts))
+
+    # GPU claims (gpu_lease.lua): slots are (uuid, slot number) pairs.
+
+    def _gpu(self, op: str, slots: list[tuple[str, int]]) -> Any:
+        opts = options(
+            op=op,
+            worker=self.name,
+            ttl_ms=int(self.settings.lease_ttl_s * 1000),
+            slots=[list(slot) for slot in slots],
+        )
+        return self._scripts.run("gpu_lease", opts)
+
+    def gpu_take(self, slots: list[tuple[str, int]]) -> tuple[int | None, list[str]]:
+        """Claim the first free slot: (its index in ``slots``, []) or (None, holders)."""
+        reply = self._gpu("take", slots)
+        if int(reply[0]) > 0:
+            return int(reply[0]) - 1, []
+        return None, [_text(holder) for holder in reply[1:]]
+
+    def gpu_renew(self, slot: tuple[str, int]) -> str:
+        """'held', 'retaken' (had expired, ours again) or the name of who took it."""
+        return _text(self._gpu("renew", [slot]))
+
+    def gpu_release(self, slot: tuple[str, int]) -> bool:
+        return bool(self._gpu("release", [slot]))
 
     def progress(self, task_id: str, fraction: float, message: str) -> None:
         value = json.dumps({"fraction": round(fraction, 4), "message": message})

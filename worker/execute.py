@@ -23,6 +23,7 @@ from typing import Any
 from dispatcher.jobs import CallRefused, decode_call
 from worker import entry
 from worker.broker import Claimed
+from worker.health import classify, describe, free_cached_memory
 from worker.registry import (
     Registry,
     TaskCanceled,
@@ -32,7 +33,15 @@ from worker.registry import (
     UploadedFile,
 )
 
-__all__ = ["Interrupts", "Outcome", "ProgressSink", "Runner", "RunningTask", "TaskHandback"]
+__all__ = [
+    "GpuFault",
+    "Interrupts",
+    "Outcome",
+    "ProgressSink",
+    "Runner",
+    "RunningTask",
+    "TaskHandback",
+]
 
 log = logging.getLogger("gpulane.worker")
 
@@ -41,10 +50,16 @@ class TaskHandback(TaskInterrupt):
     """The worker is shutting down and the grace period is over: give the task back."""
 
 
+class GpuFault(TaskInterrupt):
+    """The heartbeat found the device lost or not answering: hand the task back."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended. ``status`` is RQ's: finished, failed, canceled; or ``release``
-    (hand the task back untouched) and ``retry`` (requeue it behind the others)."""
+    (hand the task back untouched), ``retry`` (requeue it behind the others) and
+    ``lost`` (a GPU fault: hand it back as a lost attempt, which counts against
+    ``max_attempts`` like a dead worker's task, and take this worker out of service)."""
 
     status: str
     result_json: str = ""
@@ -53,6 +68,10 @@ class Outcome:
     @staticmethod
     def fail(code: str, message: str) -> Outcome:
         return Outcome("failed", error={"code": code, "message": message})
+
+    @staticmethod
+    def lost(message: str) -> Outcome:
+        return Outcome("lost", error={"code": "gpu_fault", "message": message})
 
 
 def _canceled() -> Outcome:
@@ -65,6 +84,7 @@ class Interrupts:
     def __init__(self) -> None:
         self._armed = False
         self._pending: type[TaskInterrupt] | None = None
+        self.reason = ""  # why the last request was made (GpuFault's message)
         self._main = threading.main_thread().ident or 0
         signal.signal(signal.SIGALRM, self._on_alarm)
         signal.signal(signal.SIGUSR1, self._on_request)
@@ -80,8 +100,9 @@ class Interrupts:
             self._armed = False
             signal.setitimer(signal.ITIMER_REAL, 0)
 
-    def request(self, kind: type[TaskInterrupt]) -> None:
+    def request(self, kind: type[TaskInterrupt], reason: str = "") -> None:
         """From any thread: stop the running handler with ``kind``."""
+        self.reason = reason
         self._pending = kind
         signal.pthread_kill(self._main, signal.SIGUSR1)
 
@@ -166,6 +187,12 @@ class Runner:
         self.current: RunningTask | None = None
 
     def run(self, claimed: Claimed) -> tuple[Outcome, RunningTask | None]:
+        outcome, ctx = self._run(claimed)
+        if outcome.error and outcome.error.get("code") == "gpu_out_of_memory":
+            free_cached_memory()  # here, once the task's frames and exception are gone
+        return outcome, ctx
+
+    def _run(self, claimed: Claimed) -> tuple[Outcome, RunningTask | None]:
         try:
             call = decode_call(claimed.data)
         except CallRefused as exc:
@@ -182,14 +209,20 @@ class Runner:
                 return _canceled(), ctx
             return self._encode(value), ctx
         except TaskFailure as exc:
-            return Outcome.fail(exc.code, exc.message), ctx
+            gpu = self._gpu_outcome(exc, ctx)  # a CUDA error wrapped in a TaskFailure
+            return gpu or Outcome.fail(exc.code, exc.message), ctx
         except TaskTimeout:
             return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s."), ctx
         except TaskCanceled:
             return _canceled(), ctx
         except TaskHandback:
             return Outcome("release"), ctx
+        except GpuFault:
+            return Outcome.lost(self.interrupts.reason or "Its GPU stopped answering."), ctx
         except Exception as exc:  # the handler's fault, not the worker's: report it
+            gpu = self._gpu_outcome(exc, ctx)
+            if gpu is not None:
+                return gpu, ctx
             ctx.log.exception("task raised")
             spec = self.registry.get(call.task_type)
             if spec is not None and claimed.attempt <= spec.retries:
@@ -197,6 +230,19 @@ class Runner:
             return Outcome.fail("task_error", f"{type(exc).__name__}: {exc}"), ctx
         finally:
             self.current = None
+
+    @staticmethod
+    def _gpu_outcome(exc: BaseException, ctx: RunningTask) -> Outcome | None:
+        """A fatal CUDA error or a GPU out-of-memory, as its outcome; else None."""
+        kind = classify(exc)
+        if kind is None:
+            return None
+        message = describe(exc)
+        if kind == "oom":
+            ctx.log.warning("task ran out of GPU memory: %s", message)
+            return Outcome.fail("gpu_out_of_memory", f"The GPU ran out of memory: {message}")
+        ctx.log.error("fatal GPU error; the CUDA context is unusable: %s", message, exc_info=exc)
+        return Outcome.lost(f"Fatal GPU error: {message}")
 
     def _encode(self, value: Any) -> Outcome:
         try:

@@ -1,5 +1,6 @@
-"""The worker's second thread: lease renewal, metrics flush, cancel delivery, the
-reaper, and a watchdog for tasks that neither finish nor stop.
+"""The worker's second thread: lease renewal (the worker's and its GPU claim's),
+device telemetry and health, metrics flush, cancel delivery, the reaper, and a
+watchdog for tasks that neither finish nor stop.
 
 It never touches the task itself except through :class:`worker.execute.Interrupts`,
 and it keeps beating while a handler runs, so a busy worker is never taken for dead
@@ -16,19 +17,19 @@ import time
 from redis.exceptions import RedisError
 
 from dispatcher.backoff import Backoff
+from dispatcher.exits import EXIT_STUCK, EXIT_UNHEALTHY
 from dispatcher.metrics import Recorder
 from dispatcher.settings import Settings
-from worker.broker import Broker
-from worker.devices import telemetry
-from worker.execute import Interrupts, Runner, TaskHandback
+from worker.broker import Broker, Claimed
+from worker.execute import GpuFault, Interrupts, Runner, TaskHandback
 from worker.registry import TaskCanceled
+from worker.sampler import DeviceWatch
 from worker.state import WorkerState
 
-__all__ = ["EXIT_STUCK", "Heartbeat"]
+__all__ = ["Heartbeat"]
 
 log = logging.getLogger("gpulane.worker")
 
-EXIT_STUCK = 70  # the supervisor restarts us; the task was already reported
 RUN_TIME_TAU_S = 20.0  # time constant of the run-time mean behind wait estimates
 
 
@@ -52,6 +53,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._handback_sent = False
         self._outage_since: float | None = None
+        self._fault_sent_at: float | None = None  # monotonic: GpuFault requested
+        # Set by the main thread once it has a device: the NVML sampler, and the GPU
+        # claim slot (uuid, slot) renewed with every beat.
+        self.watch: DeviceWatch | None = None
+        self.gpu_slot: tuple[str, int] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -59,11 +65,14 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.watch is not None:
+            self.watch.stop()
 
     def _run(self) -> None:
         backoff = Backoff(cap_s=self.settings.heartbeat_interval_s)
         delay = 0.0
         while not self._stop.wait(delay):
+            self.check_device()
             try:
                 self.beat()
             except RedisError as exc:
@@ -82,20 +91,23 @@ class Heartbeat:
             self._outage_since = time.monotonic()
             log.warning("redis unreachable: %s", exc, extra={"worker": self.state.name})
 
-    def beat(self) -> None:
-        self.state.device_sample = telemetry(self.state.device)
+    def beat(self, relist: bool = False) -> None:
+        """One report. ``relist``: the worker was just unregistered on purpose."""
+        if self.watch is not None:
+            self.state.device_sample = self.watch.latest()
         drained = self.recorder.drain()
         try:
             renewed, cancels = self.broker.heartbeat(self.state.info(), drained, RUN_TIME_TAU_S)
         except RedisError:
             self.recorder.restore(drained)
             raise
-        if not renewed:
+        if not renewed and not relist:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
-        for task_id in cancels:
+        for task_id in cancels:  # first: the script already took them off the list
             self.cancel(task_id)
+        self._renew_gpu()
         for reaped in self.broker.reap():
             self.recorder.count("requeued", reaped.cls, "worker_lost")
             log.warning(
@@ -103,6 +115,37 @@ class Heartbeat:
                 reaped.outcome,
                 extra={"task": reaped.task_id, "class": reaped.cls},
             )
+
+    def _renew_gpu(self) -> None:
+        slot = self.gpu_slot
+        if slot is None:
+            return
+        verdict = self.broker.gpu_renew(slot)
+        if verdict == "retaken":
+            log.warning("GPU claim had expired; taken again", extra={"worker": self.state.name})
+        elif verdict != "held":
+            # Another worker is pinned to our card now (we stalled past the lease): this
+            # process cannot move to another card, so it leaves and a fresh one claims.
+            self.gpu_slot = None
+            self._unhealthy(f"its GPU claim {slot[0]} slot {slot[1]} was taken by {verdict}", False)
+
+    def check_device(self) -> None:
+        """Take the worker out of service when its device is lost or stopped answering."""
+        problem = self.watch.problem() if self.watch is not None else None
+        if problem is not None:
+            self._unhealthy(problem, True)
+
+    def _unhealthy(self, reason: str, device_failed: bool) -> None:
+        if not self.state.mark_unhealthy(reason):
+            return
+        log.error(
+            "worker unhealthy: %s; it takes no more tasks and exits to be restarted",
+            reason,
+            extra={"worker": self.state.name},
+        )
+        if device_failed and self.runner.current is not None:
+            self._fault_sent_at = time.monotonic()
+            self.interrupts.request(GpuFault, reason)
 
     def cancel(self, task_id: str) -> None:
         current = self.runner.current
@@ -127,9 +170,26 @@ class Heartbeat:
                 "shutdown grace over; handing the task back", extra={"task": claimed.task_id}
             )
             self.interrupts.request(TaskHandback)
+        fault_at = self._fault_sent_at
+        if fault_at is not None and time.monotonic() - fault_at > self.settings.timeout_grace_s:
+            self._abandon_device(current.claimed)
         overdue_s = time.time() - claimed.started_ms / 1000 - claimed.timeout_s
         if overdue_s > self.settings.timeout_grace_s:
             self._give_up(claimed.task_id, overdue_s)
+
+    def _abandon_device(self, claimed: Claimed) -> None:
+        """The handler did not return after its device failed (blocked in the driver):
+        hand its task back as a lost attempt from here and end the process."""
+        log.error(
+            "task did not stop after its device failed; handing it back and exiting",
+            extra={"worker": self.state.name, "task": claimed.task_id},
+        )
+        fault = {"code": "gpu_fault", "message": self.state.reason}
+        try:
+            self.broker.release(claimed, at_head=True, fault=fault)
+        except RedisError:
+            log.exception("could not hand the task back; its lease will")
+        os._exit(EXIT_UNHEALTHY)
 
     def _give_up(self, task_id: str, overdue_s: float) -> None:
         """The handler ignored its timeout (stuck in native code): report the task as

@@ -87,6 +87,17 @@ class WorkerLoop:
         log.info("task started", extra={**extra, "attempt": claimed.attempt})
         outcome, ctx = self.runner.run(claimed)
         task_type = ctx.task_type if ctx else "-"
+        if (
+            outcome.status == "lost"
+            and outcome.error
+            and self.state.mark_unhealthy(outcome.error["message"])
+        ):
+            # Before the report: no task may be claimed on a broken CUDA context.
+            log.error(
+                "worker unhealthy: %s; it takes no more tasks and exits to be restarted",
+                outcome.error["message"],
+                extra={"worker": self.broker.name},
+            )
         ended_ms = self._report(claimed, outcome, ctx)
         status = PUBLIC_STATUS.get(outcome.status, outcome.status)
         run_s = ((ended_ms or claimed.started_ms) - claimed.started_ms) / 1000
@@ -111,6 +122,9 @@ class WorkerLoop:
                 if outcome.status in ("release", "retry"):
                     self.broker.release(claimed, at_head=outcome.status == "release")
                     return None
+                if outcome.status == "lost":
+                    self._hand_back(claimed, outcome, ctx)
+                    return None
                 verdict, ended_ms = self.broker.finish(
                     claimed,
                     outcome.status,
@@ -130,6 +144,20 @@ class WorkerLoop:
                     extra={"task": claimed.task_id},
                 )
             return ended_ms
+
+    def _hand_back(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> None:
+        """A GPU fault: the task goes back as a lost attempt (it may be the task's doing,
+        so it must not get more tries than a task that kills its worker)."""
+        verdict = self.broker.release(claimed, at_head=True, fault=outcome.error)
+        if verdict == "requeued":
+            self.recorder.count("requeued", claimed.cls, "gpu_fault")
+        elif verdict == "failed":
+            self.recorder.count("finished", claimed.cls, ctx.task_type if ctx else "-", "failed")
+        log.warning(
+            "task handed back after a GPU fault: %s",
+            verdict,
+            extra={"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls},
+        )
 
     def _abandon(self, exc: RedisError) -> bool:
         """Wait before retrying a report; give up only when stopping past the grace

@@ -1,7 +1,13 @@
 """``gpulane worker``: one process, one device, tasks one at a time.
 
-Order matters: the device is chosen and ``CUDA_VISIBLE_DEVICES`` set before any task
-module is imported, so whatever CUDA code those modules load sees only its GPU.
+Order matters:
+
+1. discover the GPUs and resolve ``--gpu`` (a wrong one fails before Redis is used);
+2. register the worker (name checked, visible in ``GET /workers`` from here on), start
+   the heartbeat, and claim a GPU through Redis, waiting visibly while all are claimed;
+3. pin ``CUDA_VISIBLE_DEVICES`` to the claimed card's UUID, and only then import the
+   task modules, so whatever CUDA code they load sees only that card;
+4. register again with the task catalog, and serve.
 """
 
 from __future__ import annotations
@@ -17,26 +23,22 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from dispatcher.backoff import Backoff
+from dispatcher.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
 from dispatcher.metrics import Recorder
 from dispatcher.settings import Settings
 from worker.broker import Broker
+from worker.claim import claim_device
 from worker.devices import Device, DeviceError, discover, pin, select
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback
 from worker.heartbeat import Heartbeat
 from worker.loop import WorkerLoop
 from worker.registry import REGISTRY, load_task_modules
+from worker.sampler import DeviceWatch
 from worker.state import WorkerState
 
 __all__ = ["run_worker"]
 
 log = logging.getLogger("gpulane.worker")
-
-EXIT_CONFIG = 2
-
-
-def _choose_device(gpu: str) -> Device:
-    devices = [] if gpu == "none" else discover()
-    return select(gpu, devices)
 
 
 def _register(broker: Broker, state: WorkerState, settings: Settings) -> bool:
@@ -76,22 +78,96 @@ def _install_signals(state: WorkerState, interrupts: Interrupts) -> None:
     signal.signal(signal.SIGINT, on_stop)
 
 
+class _Worker:
+    """The parts of one worker process, wired together."""
+
+    def __init__(self, settings: Settings, served: list[str], name: str) -> None:
+        self.settings = settings
+        client = Redis.from_url(
+            settings.redis_url_or_default, socket_timeout=10, socket_connect_timeout=5
+        )
+        self.broker = Broker(client, settings, name, served)
+        self.state = WorkerState(name, None, served, [])
+        self.recorder = Recorder()
+        self.interrupts = Interrupts()
+        self.runner = Runner(
+            REGISTRY,
+            self.interrupts,
+            _progress_sink(self.broker),
+            {},
+            name,
+            settings.max_result_bytes,
+        )
+        self.heartbeat = Heartbeat(
+            self.broker, self.state, self.recorder, self.runner, self.interrupts, settings
+        )
+        self.gpu_slot: tuple[str, int] | None = None
+
+    def take_device(self, candidates: list[Device], per_gpu: int) -> int | None:
+        """Claim (a GPU) and pin the device; an exit status if there is none to run on."""
+        device = candidates[0]
+        if device.kind == "gpu":
+            claimed = claim_device(self.broker, self.state, candidates, per_gpu, self.settings)
+            if claimed is None:
+                return None if self.state.stopping else EXIT_NO_GPU
+            device, self.gpu_slot = claimed
+            self.heartbeat.gpu_slot = self.gpu_slot
+            self.heartbeat.watch = DeviceWatch(
+                device, self.settings.heartbeat_interval_s, self.settings.gpu_sample_timeout_s
+            ).start()
+        pin(device)
+        self.state.device = device
+        self.state.set("starting")
+        return None
+
+    def serve(self, tasks: list[str]) -> int:
+        load_task_modules(tasks)
+        self.state.task_types = REGISTRY.names()
+        self.runner.device = self.state.device_json() or {}
+        if not _register(self.broker, self.state, self.settings):
+            return 0  # stopped (or found unhealthy) before it could serve
+        device = self.state.device
+        log.info(
+            "worker ready on %s (%s%s), classes %s, tasks %s",
+            device.label if device else "?",
+            device.name if device else "?",
+            f", {device.uuid}" if device and device.uuid else "",
+            self.state.classes,
+            REGISTRY.names(),
+            extra={"worker": self.state.name},
+        )
+        WorkerLoop(self.broker, self.runner, self.state, self.recorder, self.settings).run()
+        return 0
+
+    def leave(self) -> None:
+        """Release the GPU claim, unregister and flush the last metrics. An unhealthy
+        worker is listed again (as ``unhealthy``, with its reason, holding nothing)
+        until its lease runs out, so operators and dashboards see why it went; a
+        restarted process of the same name may take the name over at once."""
+        self.heartbeat.stop()
+        self.heartbeat.gpu_slot = None  # the last beat must not renew it
+        try:
+            if self.gpu_slot is not None:
+                self.broker.gpu_release(self.gpu_slot)
+            if self.state.unhealthy:
+                self.broker.unregister()  # out of the idle sets: no doorbell rings for it
+                self.heartbeat.beat(relist=True)  # listed again, as unhealthy, for a lease
+            else:
+                self.heartbeat.beat()  # the last metrics
+                self.broker.unregister()
+        except RedisError as exc:
+            log.warning("could not unregister (%s); the leases will expire by themselves", exc)
+
+
 def run_worker(
     settings: Settings,
     gpu: str = "auto",
     classes: list[str] | None = None,
     tasks: list[str] | None = None,
     name: str | None = None,
+    per_gpu: int | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT. Returns the process exit status."""
-    try:
-        device = _choose_device(gpu)
-    except DeviceError as exc:
-        log.error("%s", exc)
-        return EXIT_CONFIG
-    pin(device)
-    load_task_modules(tasks or settings.task_modules)
-
     served = classes or settings.class_names
     unknown = [c for c in served if c not in settings.classes]
     if unknown:
@@ -99,46 +175,29 @@ def run_worker(
         return EXIT_CONFIG
     served = [c for c in settings.class_names if c in served]  # priority order
     name = name or f"{socket.gethostname()}.{os.getpid()}"
-
-    client = Redis.from_url(
-        settings.redis_url_or_default, socket_timeout=10, socket_connect_timeout=5
-    )
-    broker = Broker(client, settings, name, served)
-    state = WorkerState(name, device, served, REGISTRY.names())
-    recorder = Recorder()
-    interrupts = Interrupts()
-    runner = Runner(
-        REGISTRY,
-        interrupts,
-        _progress_sink(broker),
-        state.device_json(),
-        name,
-        settings.max_result_bytes,
-    )
-    _install_signals(state, interrupts)
-
-    if not _register(broker, state, settings):
-        if not state.stopping:
-            log.error("a live worker is already named %r; choose another --name", name)
+    try:  # before anything touches Redis: a wrong --gpu fails fast and leaves no trace
+        candidates = select(gpu, [] if gpu == "none" else discover())
+    except DeviceError as exc:
+        log.error("%s", exc, extra={"worker": name})
+        return EXIT_CONFIG
+    worker = _Worker(settings, served, name)
+    _install_signals(worker.state, worker.interrupts)
+    if not _register(worker.broker, worker.state, settings):
+        if not worker.state.stopping:
+            log.error("a live worker is already named %r; choose another --name", worker.state.name)
             return EXIT_CONFIG
         return 0
-    log.info(
-        "worker ready on %s (%s), classes %s, tasks %s",
-        device.label,
-        device.name,
-        served,
-        REGISTRY.names(),
-        extra={"worker": name},
-    )
-    heartbeat = Heartbeat(broker, state, recorder, runner, interrupts, settings)
-    heartbeat.start()
+    worker.heartbeat.start()
     try:
-        WorkerLoop(broker, runner, state, recorder, settings).run()
+        status = worker.take_device(candidates, per_gpu or settings.per_gpu)
+        if status is None and not worker.state.stopping:
+            status = worker.serve(tasks or settings.task_modules)
     finally:
-        heartbeat.stop()
-        _leave(broker, heartbeat)
-    log.info("worker stopped", extra={"worker": name})
-    return 0
+        worker.leave()
+    if worker.state.unhealthy:  # whenever it happened: the supervisor must restart it
+        status = EXIT_UNHEALTHY
+    log.info("worker stopped, exit status %d", status or 0, extra={"worker": worker.state.name})
+    return status or 0
 
 
 def _progress_sink(broker: Broker) -> ProgressSink:
@@ -149,11 +208,3 @@ def _progress_sink(broker: Broker) -> ProgressSink:
             log.debug("progress not saved (redis unreachable)", extra={"task": task_id})
 
     return sink
-
-
-def _leave(broker: Broker, heartbeat: Heartbeat) -> None:
-    try:
-        heartbeat.beat()  # flush the last metrics
-        broker.unregister()
-    except RedisError as exc:
-        log.warning("could not unregister (%s); the lease will expire by itself", exc)

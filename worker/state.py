@@ -1,10 +1,17 @@
 """What a worker is and is doing, shared by the task loop (writer) and the heartbeat
-(reader), and published in ``gpulane:worker:<name>`` for ``GET /workers``."""
+(reader), and published in ``gpulane:worker:<name>`` for ``GET /workers``.
+
+States: ``starting`` (registered, loading), ``waiting_for_gpu`` (every GPU it may use
+is claimed; it serves nothing yet), ``idle``, ``busy``, ``stopping`` (finishing its
+task after SIGTERM) and ``unhealthy`` (its GPU faulted or stopped answering: it takes
+no more tasks and exits to be restarted). ``reason`` says why for the last two kinds.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -12,31 +19,40 @@ from typing import Any, Literal
 
 from worker.devices import Device
 
-__all__ = ["WorkerState"]
+__all__ = ["State", "WorkerState"]
 
-State = Literal["starting", "idle", "busy", "stopping"]
+State = Literal["starting", "waiting_for_gpu", "idle", "busy", "stopping", "unhealthy"]
 
 
 class WorkerState:
     def __init__(
-        self, name: str, device: Device, classes: list[str], task_types: list[str]
+        self, name: str, device: Device | None, classes: list[str], task_types: list[str]
     ) -> None:
         self.name = name
         self.host = socket.gethostname()
-        self.device = device
+        self.device = device  # None until one is chosen (and, for a GPU, claimed)
         self.classes = classes
         self.task_types = task_types
         self.state: State = "starting"
+        self.reason = ""
         self.tasks_done = 0
         self.tasks_failed = 0
         self.device_sample: dict[str, Any] = {}
         self.stop_requested_at: float | None = None  # monotonic
+        self.unhealthy_at: float | None = None  # monotonic
         self.started_ms = int(time.time() * 1000)
+        # Lets this process register twice under its name (before and after it has a
+        # device) while any other process with the name is refused.
+        self.instance = secrets.token_hex(8)
         self._lock = threading.Lock()
 
     @property
     def stopping(self) -> bool:
         return self.stop_requested_at is not None
+
+    @property
+    def unhealthy(self) -> bool:
+        return self.unhealthy_at is not None
 
     def request_stop(self) -> None:
         with self._lock:
@@ -44,10 +60,22 @@ class WorkerState:
                 self.stop_requested_at = time.monotonic()
                 self.state = "stopping"
 
-    def set(self, state: State) -> None:
+    def mark_unhealthy(self, reason: str) -> bool:
+        """Stop taking tasks for good; False if it was already unhealthy."""
+        with self._lock:
+            if self.unhealthy_at is not None:
+                return False
+            self.unhealthy_at = time.monotonic()
+            self.stop_requested_at = self.stop_requested_at or self.unhealthy_at
+            self.state = "unhealthy"
+            self.reason = reason
+            return True
+
+    def set(self, state: State, reason: str = "") -> None:
         with self._lock:
             if not self.stopping:
                 self.state = state
+                self.reason = reason
 
     def ended(self, ok: bool) -> None:
         with self._lock:
@@ -56,8 +84,8 @@ class WorkerState:
             else:
                 self.tasks_failed += 1
 
-    def device_json(self) -> dict[str, Any]:
-        return self.device.to_json(self.device_sample)
+    def device_json(self) -> dict[str, Any] | None:
+        return self.device.to_json(self.device_sample) if self.device else None
 
     def info(self) -> dict[str, str]:
         """The worker hash fields (all strings; lists and objects as JSON)."""
@@ -65,7 +93,9 @@ class WorkerState:
             "name": self.name,
             "host": self.host,
             "pid": str(os.getpid()),
+            "instance": self.instance,
             "state": self.state,
+            "reason": self.reason,
             "classes": json.dumps(self.classes),
             "task_types": json.dumps(self.task_types),
             "device": json.dumps(self.device_json()),

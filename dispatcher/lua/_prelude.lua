@@ -68,9 +68,11 @@ local function requeue(id, cls, classes, extra, at_head)
   wake(cls, classes)
 end
 
--- The worker holding task `id` died: requeue it, or fail it once its attempts are spent.
--- Returns 'requeued', 'failed', 'canceled' or 'gone'.
-local function lose(id, cls, w, now, o)
+-- The worker holding task `id` died, or (`fault` given: {code, message}) it hit a GPU
+-- fault that may be the task's doing: requeue the task at the head of its queue with
+-- one more lost attempt, or fail it once its attempts are spent, so a task that breaks
+-- every GPU it touches still ends. Returns 'requeued', 'failed', 'canceled' or 'gone'.
+local function lose(id, cls, w, now, o, fault)
   local jk = K.job(id)
   local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel', 'tenant',
     'quota')
@@ -78,8 +80,9 @@ local function lose(id, cls, w, now, o)
   local quota = quota_of(f[6], f[7])
   local lost = (tonumber(f[2]) or 0) + 1
   local history = f[4] and cjson.decode(f[4]) or {}
-  history[#history + 1] = {worker = w, attempt = tonumber(f[3]) or 0, outcome = 'worker_lost',
-    at = iso(now)}
+  local entry = {worker = w, attempt = tonumber(f[3]) or 0, outcome = 'worker_lost', at = iso(now)}
+  if fault then entry.outcome = fault.code; entry.message = fault.message end
+  history[#history + 1] = entry
   local hist = cjson.encode(history)
   if f[5] == '1' then
     finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
@@ -88,10 +91,15 @@ local function lose(id, cls, w, now, o)
     return 'canceled'
   end
   if lost >= o.max_attempts then
-    finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error', cjson.encode({
-      code = 'worker_lost',
-      message = 'The worker running this task died ' .. lost .. ' times; giving up.',
-      attempts = history})}, quota)
+    local error = {code = 'worker_lost', attempts = history,
+      message = 'The worker running this task died ' .. lost .. ' times; giving up.'}
+    if fault then
+      error.code = fault.code
+      error.message = 'The task hit a GPU fault or lost its worker ' .. lost ..
+        ' times; giving up. Last: ' .. fault.message
+    end
+    finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
+      cjson.encode(error)}, quota)
     return 'failed'
   end
   requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)

@@ -302,7 +302,10 @@ function cell(label, ...content) {
 
 // A cpu worker (no GPU: invariant 6) says so instead of showing empty bars.
 function deviceCells(w) {
-  const d = w.device || { kind: "cpu" };
+  if (!w.device) { // registered, still choosing or waiting for a GPU
+    return [muted("none yet"), muted("–"), muted("–")];
+  }
+  const d = w.device;
   if (d.kind !== "gpu") {
     const name = d.name && d.name !== "cpu" ? `cpu · ${d.name}` : "cpu";
     return [el("span", { class: "device cpu", text: name }), muted("n/a (cpu)"), muted("n/a (cpu)")];
@@ -331,7 +334,7 @@ function workerRow(w) {
   return el("tr", {},
     el("th", { scope: "row" }, w.name, el("span", { class: "host", text: w.host || "" })),
     cell("Device", device),
-    cell("State", el("span", { class: `badge state-${w.state}`, text: w.state })),
+    cell("State", el("span", { class: `badge state-${w.state}`, text: w.state, title: w.reason || "" })),
     cell("Current task", task),
     cell("Utilization", util),
     cell("Memory", memory),

@@ -74,3 +74,57 @@ def flaky(args: BaseModel, ctx: TaskContext) -> dict[str, Any]:
     if ctx.attempt < 2:
         raise RuntimeError(f"transient failure on attempt {ctx.attempt}")
     return {"attempt": ctx.attempt}
+
+
+# Exceptions shaped like the GPU stack's: the worker recognises them by class name,
+# module and message, as it would torch's (it never imports torch itself).
+AcceleratorError = type("AcceleratorError", (RuntimeError,), {"__module__": "torch"})
+OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {"__module__": "torch"})
+
+
+class FaultArgs(BaseModel):
+    kind: str = Field("illegal_address", pattern="^(illegal_address|oom)$")
+    until_attempt: int = Field(1, ge=0, description="Fault on attempts up to this one.")
+
+
+def _fake_torch() -> Any:
+    """A `torch` in sys.modules whose cuda.empty_cache() counts its calls, as if the
+    task code had imported torch (the worker frees cached memory only then)."""
+    import sys
+    import types
+
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        torch = types.ModuleType("torch")
+        torch.empty_cache_calls = 0
+
+        def empty_cache() -> None:
+            torch.empty_cache_calls += 1
+
+        torch.cuda = types.SimpleNamespace(empty_cache=empty_cache)
+        sys.modules["torch"] = torch
+    return torch
+
+
+@task("test.cuda_fault")
+def cuda_fault(args: FaultArgs, ctx: TaskContext) -> dict[str, Any]:
+    """Raise a fatal CUDA error (or a CUDA out-of-memory) on the first attempts."""
+    _fake_torch()
+    if ctx.attempt <= args.until_attempt:
+        if args.kind == "oom":
+            raise OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+                "of 79.19 GiB of which 3.12 GiB is free."
+            )
+        raise AcceleratorError(
+            "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might "
+            "be asynchronously reported at some other API call, so the stacktrace below "
+            "might be incorrect."
+        )
+    return {"attempt": ctx.attempt, "device": ctx.device}
+
+
+@task("test.torch_stats")
+def torch_stats(args: BaseModel, ctx: TaskContext) -> dict[str, Any]:
+    """How often the worker emptied the (fake) torch CUDA cache."""
+    return {"empty_cache_calls": _fake_torch().empty_cache_calls}

@@ -144,6 +144,21 @@ class ApiServer:
         self.thread.join(10)
 
 
+FAKE_NVML = REPO / "tests" / "support" / "fake_nvml"  # a pynvml with fake GPUs
+
+
+def fake_gpu_env(gpus: int, switches: Path | None = None) -> dict[str, str]:
+    """Environment for a worker that sees ``gpus`` fake GPUs through the fake pynvml
+    (see its docstring); ``switches`` is the folder of lost-/hang- switch files."""
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(FAKE_NVML), str(REPO), str(REPO / "tests" / "support")]),
+        "GPULANE_FAKE_NVML": str(gpus),
+    }
+    if switches is not None:
+        env["GPULANE_FAKE_NVML_DIR"] = str(switches)
+    return env
+
+
 def worker_env(redis_url: str, **settings: Any) -> dict[str, str]:
     env = dict(os.environ)
     env["GPULANE_REDIS_URL"] = redis_url
