@@ -157,3 +157,19 @@ def test_duplicate_name_waits_then_gives_up(start_worker: WorkerFactory) -> None
     assert second.process.wait(20) == 2
     assert "already named 'same-name'" in second.output()
     assert first.alive()
+
+
+def test_worker_is_capacity_as_soon_as_it_registered(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    """No heartbeat needed before an interactive submit is admitted (a slow heartbeat
+    here: the state must come from the registration itself)."""
+    worker = start_worker("fresh", wait=False, heartbeat_interval_s=5, lease_ttl_s=15)
+
+    def registered_with_tasks() -> bool:
+        return b"echo" in (r.hget(keys.worker(worker.name), "task_types") or b"")
+
+    wait_for(registered_with_tasks, 20, interval_s=0.01, what="the worker's final registration")
+    response = http.post("/tasks", json={"type": "echo", "class": "interactive"})
+    assert response.status_code == 202, response.text
+    assert wait_status(http, response.json()["id"], {"succeeded"})["worker"] == worker.name

@@ -124,6 +124,9 @@ class _Worker:
         load_task_modules(tasks)
         self.state.task_types = REGISTRY.names()
         self.runner.device = self.state.device_json() or {}
+        # Ready from this registration on: published as idle now, not a heartbeat later,
+        # so admission counts the worker as capacity as soon as it can take a task.
+        self.state.set("idle")
         if not _register(self.broker, self.state, self.settings):
             return 0  # stopped (or found unhealthy) before it could serve
         device = self.state.device
