@@ -27,7 +27,7 @@ from dispatcher.metrics import Recorder
 from dispatcher.observability import router as observability_router
 from dispatcher.pool import Pool
 from dispatcher.ratelimit import RateLimiter
-from dispatcher.reaper import parse_reaped, reap_options
+from dispatcher.reaper import parse_reaped, reap_options, record_reaped
 from dispatcher.routes import Services, router
 from dispatcher.settings import Settings
 from dispatcher.store import TaskStore
@@ -57,11 +57,7 @@ async def _flush_metrics(client: Redis, recorder: Recorder) -> None:
 
 async def _maintain_once(svc: Services, catalog_due: bool) -> None:
     reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
-    for item in reaped:
-        svc.recorder.count("requeued", item.cls, "worker_lost")
-        log.warning(
-            "gave back a dead worker's task: %s", item.outcome, extra={"task": item.task_id}
-        )
+    record_reaped(reaped, svc.recorder, "gave back a dead worker's task")
     await svc.pool.snapshot()
     if catalog_due:
         await svc.catalog.refresh()

@@ -9,19 +9,24 @@ attempt, or fails it with ``worker_lost`` once ``max_attempts`` are spent.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from dispatcher.metrics import Recorder
 from dispatcher.scripts import options
 from dispatcher.settings import Settings
 
-__all__ = ["Reaped", "lease_options", "parse_reaped", "reap_options"]
+__all__ = ["Reaped", "lease_options", "parse_reaped", "reap_options", "record_reaped"]
+
+log = logging.getLogger("gpulane.reaper")
 
 
 @dataclass(frozen=True)
 class Reaped:
     task_id: str
     cls: str
+    task_type: str
     outcome: str  # requeued | failed | canceled | gone
 
 
@@ -46,6 +51,26 @@ def parse_reaped(lines: list[Any]) -> list[Reaped]:
     out = []
     for line in lines:
         text = line.decode() if isinstance(line, bytes) else str(line)
-        task_id, cls, outcome = text.rsplit("|", 2)
-        out.append(Reaped(task_id, cls, outcome))
+        task_id, cls, task_type, outcome = text.rsplit("|", 3)
+        out.append(Reaped(task_id, cls, task_type, outcome))
     return out
+
+
+def record_reaped(reaped: list[Reaped], recorder: Recorder, why: str) -> None:
+    """Count and log what a pass gave back; every caller of the reaper uses this.
+
+    A requeued task counts in ``requeued_total{reason=worker_lost}``; one the pass ended
+    (``failed`` after its attempts, ``canceled``) in ``finished_total``, since no
+    worker will report it.
+    """
+    for item in reaped:
+        if item.outcome == "requeued":
+            recorder.count("requeued", item.cls, "worker_lost")
+        elif item.outcome in ("failed", "canceled"):
+            recorder.count("finished", item.cls, item.task_type, item.outcome)
+        log.warning(
+            "%s: %s",
+            why,
+            item.outcome,
+            extra={"task": item.task_id, "class": item.cls, "type": item.task_type},
+        )

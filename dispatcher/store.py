@@ -44,7 +44,9 @@ class SubmitResult:
 @dataclass(frozen=True)
 class CancelResult:
     verdict: str  # canceled | cancel_requested | conflict | not_found
-    status: str | None = None
+    status: str | None = None  # for a conflict: the status it already had
+    cls: str = ""  # for canceled: what the metrics count it under
+    task_type: str = ""
 
 
 def submit_options(
@@ -111,5 +113,7 @@ class TaskStore:
     async def cancel(self, task_id: str, tenant: str | None) -> CancelResult:
         opts = options(id=task_id, tenant=tenant or "", ttl_s=self.settings.result_ttl_s)
         reply = [_text(x) for x in await self.scripts.run("cancel", opts)]
+        if reply[0] == "canceled":
+            return CancelResult("canceled", cls=reply[1], task_type=reply[2])
         status = PUBLIC_STATUS.get(reply[1], reply[1]) if len(reply) > 1 else None
         return CancelResult(reply[0], status)

@@ -22,6 +22,7 @@ from support.servers import ApiServer, wait_for
 
 from dispatcher.exporter import Histogram, parse
 from dispatcher.metrics import BUCKETS, Recorder
+from dispatcher.reaper import Reaped, record_reaped
 from dispatcher.settings import ClassConfig, Settings, TenantConfig
 from dispatcher.stats import LatencyWindow, quantile
 
@@ -308,3 +309,37 @@ def test_latency_window_reports_recent_tasks_only() -> None:
     recent, age = window.since(400.0, newer) or ({}, 0.0)
     assert age == 200.0 and recent["batch"].count == 0
     assert window.since(401.0, {"batch": Histogram({0.01: 1})}) is None
+
+
+def test_tasks_ended_without_a_worker_report_are_counted(
+    known_types: None, http: httpx.Client
+) -> None:
+    """A queued task canceled by the API never reaches a worker: the API counts it."""
+    task = submit(http, "echo", cls="batch")
+    assert http.delete(f"/tasks/{task['id']}").status_code == 200
+    labels = {"class": "batch", "type": "echo", "status": "canceled"}
+    wait_scrape(
+        http,
+        lambda s: s.value("gpulane_tasks_finished_total", **labels) == 1,
+        "the canceled task to be counted",
+    )
+
+
+def test_reaped_tasks_count_by_outcome() -> None:
+    """What a reaper pass ended counts as finished; only requeued ones as requeued."""
+    recorder = Recorder()
+    record_reaped(
+        [
+            Reaped("a", "batch", "sleep", "requeued"),
+            Reaped("b", "batch", "sleep", "failed"),
+            Reaped("c", "interactive", "echo", "canceled"),
+            Reaped("d", "batch", "-", "gone"),
+        ],
+        recorder,
+        "test",
+    )
+    assert recorder.drain().counters == {
+        "c|requeued|batch|worker_lost": 1,
+        "c|finished|batch|sleep|failed": 1,
+        "c|finished|interactive|echo|canceled": 1,
+    }

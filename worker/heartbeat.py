@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from dispatcher.backoff import Backoff
 from dispatcher.exits import EXIT_STUCK, EXIT_UNHEALTHY
 from dispatcher.metrics import Recorder
+from dispatcher.reaper import record_reaped
 from dispatcher.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import GpuFault, Interrupts, Runner, TaskHandback
@@ -108,13 +109,7 @@ class Heartbeat:
         for task_id in cancels:  # first: the script already took them off the list
             self.cancel(task_id)
         self._renew_gpu()
-        for reaped in self.broker.reap():
-            self.recorder.count("requeued", reaped.cls, "worker_lost")
-            log.warning(
-                "gave back a dead worker's task: %s",
-                reaped.outcome,
-                extra={"task": reaped.task_id, "class": reaped.cls},
-            )
+        record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
 
     def _renew_gpu(self) -> None:
         slot = self.gpu_slot

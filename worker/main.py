@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from dispatcher.backoff import Backoff
 from dispatcher.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
 from dispatcher.metrics import Recorder
+from dispatcher.reaper import record_reaped
 from dispatcher.settings import Settings
 from worker.broker import Broker
 from worker.claim import claim_device
@@ -41,7 +42,7 @@ __all__ = ["run_worker"]
 log = logging.getLogger("gpulane.worker")
 
 
-def _register(broker: Broker, state: WorkerState, settings: Settings) -> bool:
+def _register(broker: Broker, state: WorkerState, settings: Settings, recorder: Recorder) -> bool:
     """Publish the worker, waiting for Redis if need be. A name still leased by an
     earlier process (a restart after a crash) is waited out for two lease periods;
     False if it stays taken (another live worker has it)."""
@@ -55,12 +56,7 @@ def _register(broker: Broker, state: WorkerState, settings: Settings) -> bool:
             time.sleep(backoff.next())
             continue
         if recovered is not None:
-            for item in recovered:
-                log.warning(
-                    "gave back a task an earlier process of this name held: %s",
-                    item.outcome,
-                    extra={"task": item.task_id, "class": item.cls},
-                )
+            record_reaped(recovered, recorder, "gave back a task an earlier process held")
             return True
         if time.monotonic() > name_deadline:
             return False
@@ -127,7 +123,7 @@ class _Worker:
         # Ready from this registration on: published as idle now, not a heartbeat later,
         # so admission counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")
-        if not _register(self.broker, self.state, self.settings):
+        if not _register(self.broker, self.state, self.settings, self.recorder):
             return 0  # stopped (or found unhealthy) before it could serve
         device = self.state.device
         log.info(
@@ -185,7 +181,7 @@ def run_worker(
         return EXIT_CONFIG
     worker = _Worker(settings, served, name)
     _install_signals(worker.state, worker.interrupts)
-    if not _register(worker.broker, worker.state, settings):
+    if not _register(worker.broker, worker.state, settings, worker.recorder):
         if not worker.state.stopping:
             log.error("a live worker is already named %r; choose another --name", worker.state.name)
             return EXIT_CONFIG

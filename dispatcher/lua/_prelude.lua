@@ -71,12 +71,14 @@ end
 -- The worker holding task `id` died, or (`fault` given: {code, message}) it hit a GPU
 -- fault that may be the task's doing: requeue the task at the head of its queue with
 -- one more lost attempt, or fail it once its attempts are spent, so a task that breaks
--- every GPU it touches still ends. Returns 'requeued', 'failed', 'canceled' or 'gone'.
+-- every GPU it touches still ends. Returns 'requeued', 'failed', 'canceled' or 'gone',
+-- and the task's type (for the caller's metrics).
 local function lose(id, cls, w, now, o, fault)
   local jk = K.job(id)
   local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel', 'tenant',
-    'quota')
-  if not f[1] or FINAL[f[1]] then return 'gone' end
+    'quota', 'type')
+  local task_type = f[8] or '-'
+  if not f[1] or FINAL[f[1]] then return 'gone', task_type end
   local quota = quota_of(f[6], f[7])
   local lost = (tonumber(f[2]) or 0) + 1
   local history = f[4] and cjson.decode(f[4]) or {}
@@ -88,7 +90,7 @@ local function lose(id, cls, w, now, o, fault)
     finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
       cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})},
       quota)
-    return 'canceled'
+    return 'canceled', task_type
   end
   if lost >= o.max_attempts then
     local error = {code = 'worker_lost', attempts = history,
@@ -100,19 +102,20 @@ local function lose(id, cls, w, now, o, fault)
     end
     finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
       cjson.encode(error)}, quota)
-    return 'failed'
+    return 'failed', task_type
   end
   requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)
-  return 'requeued'
+  return 'requeued', task_type
 end
 
--- Forget worker `w` and give back what it held. Returns {"id|class|outcome", ...}.
+-- Forget worker `w` and give back what it held. Returns {"id|class|type|outcome", ...}.
 local function reap_worker(w, now, o)
   local out = {}
   for _, c in ipairs(o.classes) do
     local ik = K.inflight(w, c)
     for _, id in ipairs(redis.call('LRANGE', ik, 0, -1)) do
-      out[#out + 1] = id .. '|' .. c .. '|' .. lose(id, c, w, now, o)
+      local outcome, task_type = lose(id, c, w, now, o)
+      out[#out + 1] = id .. '|' .. c .. '|' .. task_type .. '|' .. outcome
     end
     redis.call('DEL', ik)
     redis.call('SREM', K.idle(c), w)

@@ -1,17 +1,18 @@
 -- Cancel a task. Queued: it leaves the queue and ends 'canceled' now. Running: the
 -- worker holding it is told through its control list (it acts within a heartbeat).
 -- ARGV[1]: {id, tenant ('' = any tenant, for admins), ttl_s}.
--- Returns {'canceled'} | {'cancel_requested'} | {'conflict', status} | {'not_found'}.
+-- Returns {'canceled', class, type} | {'cancel_requested'} | {'conflict', status}
+--       | {'not_found'}.
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
-local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota')
+local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota', 'type')
 if not f[1] or (o.tenant ~= '' and f[2] ~= o.tenant) then return {'not_found'} end
 if FINAL[f[1]] then return {'conflict', f[1]} end
 if f[1] == 'queued' then
   redis.call('LREM', K.queue(f[3]), 0, o.id)
   finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
     message = 'Canceled before it started.'})}, quota_of(f[2], f[5]))
-  return {'canceled'}
+  return {'canceled', f[3] or '-', f[6] or '-'}
 end
 redis.call('HSET', jk, 'cancel', '1')
 if f[4] and f[4] ~= '' then redis.call('RPUSH', K.control(f[4]), o.id) end

@@ -9,6 +9,6 @@ local o = cjson.decode(ARGV[1])
 if redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id) == 0 then return 'gone' end
 local status = redis.call('HGET', K.job(o.id), 'status')
 if status ~= 'started' then return status or 'gone' end
-if o.fault then return lose(o.id, o.class, o.worker, now_ms(), o, o.fault) end
+if o.fault then return (lose(o.id, o.class, o.worker, now_ms(), o, o.fault)) end
 requeue(o.id, o.class, o.classes, {}, o.at_head)
 return 'released'
