@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test test-slow lint fmt bench clean
+.PHONY: run test test-slow screenshot lint fmt bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-slow: $(VENV)/.dev-deps ## the slow fault tests (chaos); CI runs them too
 	@scripts/ensure-redis.sh
 	@scripts/ensure-test-tools.sh
 	$(BIN)/pytest -m slow
+
+screenshot: $(VENV)/.dev-deps ## regenerate docs/dashboard.png from the dashboard test
+	@scripts/ensure-redis.sh
+	@scripts/ensure-test-tools.sh
+	GPULANE_UPDATE_DOCS=1 $(BIN)/pytest -q tests/test_dashboard.py -k live
 
 lint: $(VENV)/.dev-deps
 	$(BIN)/ruff check .

@@ -197,21 +197,22 @@ def test_open_mode_warns(
 
 
 def test_batch_ages_past_newer_interactive(
-    redis_url: str, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+    api_with: Callable[..., httpx.Client], start_worker: WorkerFactory
 ) -> None:
     aging = {"interactive": ClassConfig(), "batch": ClassConfig(promote_after_s=0.3)}
-    api = api_factory(make_settings(redis_url, classes=aging))
+    http = api_with(classes=aging)  # interactive queues without workers here
+    old_batch = submit(http, "echo", cls="batch")
+    wait_for(
+        lambda: (http.get("/queues").json()["classes"][1]["oldest_wait_s"] or 0) > 0.3,
+        10,
+        what="the batch task to wait past its promotion age",
+    )
+    newer = [submit(http, "echo", cls="interactive") for _ in range(2)]
     # Aging is applied by the worker's claim: it needs the same class settings.
     start_worker(env={"GPULANE_CLASSES": '{"interactive": {}, "batch": {"promote_after_s": 0.3}}'})
-    with httpx.Client(base_url=api.url, timeout=10) as http:
-        blocker = submit(http, "sleep", {"seconds": 1.0}, cls="interactive")
-        wait_status(http, blocker["id"], {"running"})
-        old_batch = submit(http, "echo", cls="batch")
-        newer = [submit(http, "echo", cls="interactive") for _ in range(2)]
-        # Once the blocker ends, the batch task has waited ~1 s > 0.3 s: it goes first.
-        b = wait_status(http, old_batch["id"], {"succeeded"})["started_at"]
-        i = [wait_status(http, t["id"], {"succeeded"})["started_at"] for t in newer]
-        assert b < min(i)
+    b = wait_status(http, old_batch["id"], {"succeeded"})["started_at"]
+    i = [wait_status(http, t["id"], {"succeeded"})["started_at"] for t in newer]
+    assert b < min(i)
 
 
 class Recording(httpx.HTTPTransport):

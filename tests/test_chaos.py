@@ -89,4 +89,4 @@ def test_random_sigkills_lose_nothing(tmp_path: Path) -> None:
         f"{twice} ran more than once; statuses {statuses}"
     )
     assert statuses == {"succeeded"}, [r for r in records if r["status"] != "succeeded"][:3]
-    assert killer.kills >= 10
+    assert twice >= 1  # kills did land on running tasks, which ran again

@@ -7,7 +7,6 @@ import importlib
 import logging
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -136,17 +135,12 @@ def test_device_watch_reports_a_lost_and_a_hung_device(
         hung.stop()
 
 
-def test_sampling_cost_is_small(fake_nvml: ModuleType) -> None:
-    """Reports the Python-side cost of one heartbeat's sample (no assertion on time:
-    scripts/telemetry_cost.py is the measurement; this keeps it exercised)."""
+def test_each_sample_reads_the_card_once(fake_nvml: ModuleType) -> None:
+    """One NVML utilization read per sample (scripts/telemetry_cost.py measures the cost)."""
     gpu = discover()[0]
-    n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
+    for _ in range(20):
         telemetry(gpu)
-    per_sample_us = (time.perf_counter() - start) / n * 1e6
-    print(f"telemetry() with the fake pynvml: {per_sample_us:.1f} us per sample")
-    assert fake_nvml.calls["nvmlDeviceGetUtilizationRates"] == n
+    assert fake_nvml.calls["nvmlDeviceGetUtilizationRates"] == 20
 
 
 def test_pin_uses_uuid(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from prometheus_client.openmetrics.parser import (
 from support.observe import Scrape, fake_gpu_worker, promtool_check, publish_catalog, scrape
 from support.servers import ApiServer, wait_for
 
+from dispatcher import keys
 from dispatcher.exporter import Histogram, parse
 from dispatcher.metrics import BUCKETS, Recorder
 from dispatcher.reaper import Reaped, record_reaped
@@ -88,23 +89,48 @@ def known_types(r: redis.Redis) -> None:
     publish_catalog(r)
 
 
-def test_names_format_and_promtool(known_types: None, http: httpx.Client) -> None:
-    submit(http, "echo")
+def _seed_every_series(r: redis.Redis) -> None:
+    """One sample of every counter and histogram in the pool-wide hash, so the label
+    checks below have samples to look at (a fresh pool has none of most)."""
+    recorder = Recorder()
+    recorder.count("submitted", "batch", "echo")
+    recorder.count("rejected", "batch", "queue_full")
+    recorder.count("finished", "batch", "echo", "succeeded")
+    recorder.count("requeued", "batch", "worker_lost")
+    recorder.observe("queue_wait", 0.2, "batch")
+    recorder.observe("run", 0.3, "batch", "echo")
+    recorder.observe("latency", 0.5, "batch")
+    drained = recorder.drain()
+    for field, n in drained.counters.items():
+        r.hincrby(keys.METRICS, field, n)
+    for field, x in drained.floats.items():
+        r.hincrbyfloat(keys.METRICS, field, x)
+
+
+def test_names_format_and_promtool(
+    known_types: None, http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    start_worker()  # for worker and GPU-less device gauges
+    _seed_every_series(r)
     result = wait_scrape(
         http,
-        lambda s: (
-            s.value("gpulane_tasks_submitted_total", **{"class": "batch", "type": "echo"}) == 1
-        ),
-        "the submit to be counted",
+        lambda s: s.value("gpulane_workers", state="idle") == 1,
+        "the worker in the gauges",
     )
     for name, labels in COUNTERS.items():
+        samples = result.families[name].samples
         assert result.families[name].type == "counter"
-        assert all(set(s.labels) == set(labels) for s in result.families[name].samples)
+        assert samples and all(set(s.labels) == set(labels) for s in samples), name
+    for name in ("gpulane_queue_depth", "gpulane_tasks_running"):
+        samples = result.families[name].samples
+        assert samples and all(set(s.labels) == {"class"} for s in samples), name
+    assert {s.labels["state"] for s in result.families["gpulane_workers"].samples} >= {"idle"}
     for name in GAUGES:
         assert result.families[name].type == "gauge"
     for name, labels in HISTOGRAMS.items():
+        samples = result.families[name].samples
         assert result.families[name].type == "histogram"
-        assert all(set(s.labels) - {"le"} == set(labels) for s in result.families[name].samples)
+        assert samples and all(set(s.labels) - {"le"} == set(labels) for s in samples), name
     ours = {n for n in result.families if n.startswith("gpulane_")}
     assert ours == set(COUNTERS) | GAUGES | set(HISTOGRAMS)
     # The API's own process metrics come along.

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import redis
-from conftest import WorkerFactory, submit, wait_status
+from conftest import WorkerFactory, make_settings, submit, wait_status
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from support.servers import wait_for
+from support.catalog import publish_builtin_catalog
+from support.servers import ApiServer, wait_for
 
 from dispatcher import keys
 from dispatcher.jobs import ENTRY_POINT
+from dispatcher.settings import ClassConfig
 
 
 def _started(http: httpx.Client, task_id: str) -> str:
@@ -21,16 +24,21 @@ def _started(http: httpx.Client, task_id: str) -> str:
 
 
 def test_interactive_runs_before_queued_batch(
-    http: httpx.Client, start_worker: WorkerFactory
+    redis_url: str,
+    r: redis.Redis,
+    api_factory: Callable[..., ApiServer],
+    start_worker: WorkerFactory,
 ) -> None:
-    start_worker()
-    blocker = submit(http, "sleep", {"seconds": 1.0}, cls="batch")
-    wait_status(http, blocker["id"], {"running"})
-    batch = [submit(http, "sleep", {"seconds": 0.05}, cls="batch") for _ in range(3)]
-    interactive = [submit(http, "sleep", {"seconds": 0.05}, cls="interactive") for _ in range(3)]
-    # The worker is busy: everything is queued, batch first in time.
-    starts_i = [_started(http, t["id"]) for t in interactive]
-    starts_b = [_started(http, t["id"]) for t in batch]
+    # Both classes queue while no worker runs; then one worker starts and drains them.
+    publish_builtin_catalog(r)
+    open_classes = {"interactive": ClassConfig(), "batch": ClassConfig()}
+    api = api_factory(make_settings(redis_url, classes=open_classes))
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        batch = [submit(http, "echo", {"n": i}, cls="batch") for i in range(3)]
+        interactive = [submit(http, "echo", {"n": i}, cls="interactive") for i in range(3)]
+        start_worker()
+        starts_i = [_started(http, t["id"]) for t in interactive]
+        starts_b = [_started(http, t["id"]) for t in batch]
     assert max(starts_i) < min(starts_b), (starts_i, starts_b)
     assert starts_i == sorted(starts_i) and starts_b == sorted(starts_b)  # FIFO within a class
 
