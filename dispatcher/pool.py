@@ -17,9 +17,9 @@ from dispatcher.settings import ClassConfig, Settings
 __all__ = ["NOT_SERVING", "ClassState", "Pool", "Snapshot"]
 
 # Live workers that take no task yet or any more: loading (registered before it has a
-# device and its task modules), waiting for a free GPU, or on its way out after a GPU
-# fault. Admission must not count them as capacity.
-NOT_SERVING = frozenset({"starting", "waiting_for_gpu", "unhealthy"})
+# device and its task modules), waiting for a free GPU, draining on its way out, or
+# out of service after a GPU fault. Admission must not count them as capacity.
+NOT_SERVING = frozenset({"starting", "waiting_for_gpu", "stopping", "unhealthy"})
 
 
 @dataclass(frozen=True)

@@ -56,16 +56,17 @@ def parse_reaped(lines: list[Any]) -> list[Reaped]:
     return out
 
 
-def record_reaped(reaped: list[Reaped], recorder: Recorder, why: str) -> None:
-    """Count and log what a pass gave back; every caller of the reaper uses this.
-
-    A requeued task counts in ``requeued_total{reason=worker_lost}``; one the pass ended
-    (``failed`` after its attempts, ``canceled``) in ``finished_total``, since no
-    worker will report it.
+def record_reaped(
+    reaped: list[Reaped], recorder: Recorder, why: str, reason: str = "worker_lost"
+) -> None:
+    """Count and log tasks given back without a worker reporting them: by a reaper pass,
+    or by a worker handing its task back. A requeued task counts in
+    ``requeued_total{reason}``; one that ended there (``failed`` after its attempts,
+    ``canceled``) in ``finished_total``, since no worker will report it.
     """
     for item in reaped:
         if item.outcome == "requeued":
-            recorder.count("requeued", item.cls, "worker_lost")
+            recorder.count("requeued", item.cls, reason)
         elif item.outcome in ("failed", "canceled"):
             recorder.count("finished", item.cls, item.task_type, item.outcome)
         log.warning(

@@ -39,6 +39,7 @@ NAMES = (
     "unregister",
     "ratelimit",
     "gpu_lease",
+    "unpark",
 )
 
 

@@ -4,7 +4,6 @@ through processes (a lease lost while the worker lives on, an outage of the reap
 from __future__ import annotations
 
 import json
-import uuid
 
 import redis
 
@@ -13,18 +12,18 @@ from dispatcher.jobs import encode_call
 from dispatcher.reaper import lease_options, parse_reaped, reap_options
 from dispatcher.scripts import SyncScripts, options
 from dispatcher.settings import Settings
+from dispatcher.store import Submission, submit_options
 
 SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
 CLASSES = SETTINGS.class_names
 
 
 def _submit(s: SyncScripts, cls: str = "batch") -> str:
-    task_id = str(uuid.uuid4())
-    opts = options(id=task_id, type="echo", tenant="t", timeout=60, ttl_s=3600, max_queued=100,
-                   max_wait_s=1e9, reject_without_workers=False, workers=1, run_s=1.0, idem="",
-                   idem_ttl_s=60, classes=CLASSES, max_in_flight=0, **{"class": cls})  # fmt: skip
-    assert s.run("submit", opts, encode_call("echo", {}), "")[0] == b"accepted"
-    return task_id
+    sub = Submission("echo", cls, {}, timeout_s=60, tenant="t")
+    opts = submit_options(sub, SETTINGS.classes[cls], workers=1, run_s=1.0, settings=SETTINGS)
+    reply = s.run("submit", opts, encode_call("echo", {}), "")
+    assert reply[0] == b"accepted"
+    return str(reply[1].decode())
 
 
 def _register(s: SyncScripts, worker: str) -> None:
@@ -32,10 +31,10 @@ def _register(s: SyncScripts, worker: str) -> None:
     assert s.run("register", opts)[0] == b"ok"
 
 
-def _claim(s: SyncScripts, worker: str) -> list | None:
-    return s.run(
-        "claim", options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}")
-    )
+def _claim(s: SyncScripts, worker: str, redeliver: bool = False) -> list | None:
+    opts = options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}",
+                   redeliver=redeliver)  # fmt: skip
+    return s.run("claim", opts)
 
 
 def _finish(s: SyncScripts, worker: str, task_id: str, result: dict) -> bytes:
@@ -100,3 +99,54 @@ def test_claim_is_priority_ordered_and_parks_when_empty(r: redis.Redis) -> None:
     _submit(s, "batch")  # rings the parked worker's doorbell and unparks it everywhere
     assert r.llen(keys.wake("w")) == 1
     assert not r.sismember(keys.idle("interactive"), "w")
+
+
+def test_cancel_requested_before_a_release_is_kept(r: redis.Redis) -> None:
+    """A running task whose client canceled it, then handed back (shutdown or retry):
+    it ends canceled instead of running again on the next worker."""
+    s = SyncScripts(r)
+    task_id = _submit(s)
+    _register(s, "w")
+    _claim(s, "w")
+    cancel = options(id=task_id, tenant="", ttl_s=60)
+    assert s.run("cancel", cancel) == [b"cancel_requested"]
+    release = options(id=task_id, worker="w", at_head=True, **lease_options(SETTINGS),
+                      **{"class": "batch"})  # fmt: skip
+    assert s.run("release", release) == b"canceled"
+    assert r.hget(keys.job(task_id), "status") == b"canceled"
+    assert r.llen(keys.queue("batch")) == 0
+
+
+def test_a_claim_whose_reply_was_lost_is_redelivered(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    first, second = _submit(s), _submit(s)
+    _register(s, "w")
+    assert _claim(s, "w")[0].decode() == first  # ...and the reply never arrived
+    assert _claim(s, "w", redeliver=True)[0].decode() == first  # the same task again
+    assert r.lrange(keys.inflight("w", "batch"), 0, -1) == [first.encode()]
+    assert r.lrange(keys.queue("batch"), 0, -1) == [second.encode()]
+
+
+def test_unpark_passes_a_taken_doorbell_on(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    for name in ("a", "b"):
+        _register(s, name)
+        assert _claim(s, name) is None  # both park
+    _submit(s)  # rings one of them
+    rung = next(name for name in ("a", "b") if r.llen(keys.wake(name)))
+    other = "b" if rung == "a" else "a"
+    # The rung worker is stopping: it leaves without claiming and passes the bell on.
+    assert s.run("unpark", options(worker=rung, classes=CLASSES)) == 1
+    assert r.llen(keys.wake(other)) == 1 and r.llen(keys.wake(rung)) == 0
+    assert not r.sismember(keys.idle("batch"), rung)
+
+
+def test_grace_after_an_outage_covers_every_lease(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    workers = [f"w{i}" for i in range(100)]  # more than one reaper pass handles
+    for name in workers:
+        _register(s, name)
+        _expire_lease(r, name)
+    r.set(keys.REAPER_LAST, 1)
+    assert s.run("reap", reap_options(SETTINGS)) == []
+    assert min(score for _, score in r.zrange(keys.WORKERS, 0, -1, withscores=True)) > 0

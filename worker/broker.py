@@ -70,13 +70,16 @@ class Broker:
             return None
         return parse_reaped(reply[1])
 
-    def claim(self, was_idle: bool, device_json: str) -> Claimed | None:
+    def claim(self, was_idle: bool, device_json: str, redeliver: bool = False) -> Claimed | None:
+        """The next task, moved into this worker's in-flight list; ``redeliver`` after a
+        claim whose reply was lost returns the task that claim took."""
         opts = options(
             worker=self.name,
             classes=self.classes,
             aging=self._aging,
             was_idle=was_idle,
             device=device_json,
+            redeliver=redeliver,
         )
         reply = self._scripts.run("claim", opts)
         if reply is None:
@@ -92,6 +95,10 @@ class Broker:
             started_ms=int(started),
             file=file,
         )
+
+    def unpark(self) -> None:
+        """Stop being woken for work, passing on a doorbell taken on the way out."""
+        self._scripts.run("unpark", options(worker=self.name, classes=self.settings.class_names))
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a submit rings this worker's doorbell; False on timeout."""

@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,43 +80,47 @@ def _canceled() -> Outcome:
 
 
 class Interrupts:
-    """Raises a :class:`TaskInterrupt` in the main thread while a handler runs."""
+    """Raises a :class:`TaskInterrupt` in the main thread while a handler runs.
+
+    Every request names the run it is for, so one that arrives as that run ends never
+    stops the next one."""
 
     def __init__(self) -> None:
-        self._armed = False
-        self._pending: type[TaskInterrupt] | None = None
+        self._armed_for: object | None = None
+        self._pending: tuple[type[TaskInterrupt], object] | None = None
         self.reason = ""  # why the last request was made (GpuFault's message)
         self._main = threading.main_thread().ident or 0
         signal.signal(signal.SIGALRM, self._on_alarm)
         signal.signal(signal.SIGUSR1, self._on_request)
 
     @contextmanager
-    def armed(self, timeout_s: float) -> Iterator[None]:
-        self._pending = None
-        self._armed = True
+    def armed(self, timeout_s: float, run: object) -> Iterator[None]:
+        self._armed_for = run
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
             yield
         finally:
-            self._armed = False
+            self._armed_for = None
+            self._pending = None
             signal.setitimer(signal.ITIMER_REAL, 0)
 
-    def request(self, kind: type[TaskInterrupt], reason: str = "") -> None:
-        """From any thread: stop the running handler with ``kind``."""
+    def request(self, kind: type[TaskInterrupt], run: object, reason: str = "") -> None:
+        """From any thread: stop ``run`` (a :class:`RunningTask`) with ``kind``."""
         self.reason = reason
-        self._pending = kind
+        self._pending = (kind, run)
         signal.pthread_kill(self._main, signal.SIGUSR1)
 
-    def _fire(self, kind: type[TaskInterrupt] | None) -> None:
-        if self._armed and kind is not None:
-            self._armed = False  # once: the handler's cleanup must not be interrupted again
+    def _fire(self, kind: type[TaskInterrupt], run: object) -> None:
+        if run is not None and run is self._armed_for:
+            self._armed_for = None  # once: the handler's cleanup must not be interrupted
             raise kind()
 
     def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
-        self._fire(TaskTimeout)
+        self._fire(TaskTimeout, self._armed_for)
 
     def _on_request(self, signum: int, frame: FrameType | None) -> None:
-        self._fire(self._pending)
+        if self._pending is not None:
+            self._fire(*self._pending)
 
 
 ProgressSink = Callable[[str, float, str], None]
@@ -145,6 +150,7 @@ class RunningTask:
         self.log = logging.LoggerAdapter(
             log, {"worker": worker, "task": self.task_id, "class": self.task_class}
         )
+        self.started_mono = time.monotonic()  # the watchdog's clock (Redis' is elsewhere)
         self.latest_progress: dict[str, Any] | None = None
         self._sink = sink
         self._last_write = 0.0
@@ -185,6 +191,29 @@ class Runner:
         self.worker = worker
         self.max_result_bytes = max_result_bytes
         self.current: RunningTask | None = None
+        # Cancels that came before their run started (between claim and here); bounded:
+        # an id whose task already ended elsewhere would otherwise stay forever.
+        self._early_cancels: deque[str] = deque(maxlen=64)
+        self._lock = threading.Lock()
+
+    def cancel(self, task_id: str) -> None:
+        """From the heartbeat thread: stop the run of ``task_id`` now or, if it has not
+        started yet, as soon as it does."""
+        with self._lock:
+            current = self.current
+            if current is None or current.task_id != task_id:
+                self._early_cancels.append(task_id)
+                return
+        current.request_cancel()
+        self.interrupts.request(TaskCanceled, current)
+
+    def _start(self, ctx: RunningTask) -> bool:
+        """Make ``ctx`` the current run; False if it was canceled before it began."""
+        with self._lock:
+            self.current = ctx
+            if ctx.task_id in self._early_cancels:
+                ctx.request_cancel()
+        return not ctx.cancelled()
 
     def run(self, claimed: Claimed) -> tuple[Outcome, RunningTask | None]:
         outcome, ctx = self._run(claimed)
@@ -201,35 +230,44 @@ class Runner:
         if call.file is not None and claimed.file is not None:
             upload = UploadedFile(call.file.name, call.file.content_type, claimed.file)
         ctx = RunningTask(claimed, call.task_type, upload, self.device, self.sink, self.worker)
-        self.current = ctx
+        if not self._start(ctx):
+            self.current = None
+            return _canceled(), ctx
         try:
-            with self.interrupts.armed(claimed.timeout_s):
+            with self.interrupts.armed(claimed.timeout_s, ctx):
                 value = entry.run(call.task_type, call.args, ctx=ctx, registry=self.registry)
             if ctx.cancelled():  # the handler saw cancelled() and stopped early
                 return _canceled(), ctx
             return self._encode(value), ctx
-        except TaskFailure as exc:
-            gpu = self._gpu_outcome(exc, ctx)  # a CUDA error wrapped in a TaskFailure
-            return gpu or Outcome.fail(exc.code, exc.message), ctx
-        except TaskTimeout:
-            return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s."), ctx
-        except TaskCanceled:
-            return _canceled(), ctx
-        except TaskHandback:
-            return Outcome("release"), ctx
-        except GpuFault:
-            return Outcome.lost(self.interrupts.reason or "Its GPU stopped answering."), ctx
-        except Exception as exc:  # the handler's fault, not the worker's: report it
-            gpu = self._gpu_outcome(exc, ctx)
-            if gpu is not None:
-                return gpu, ctx
-            ctx.log.exception("task raised")
-            spec = self.registry.get(call.task_type)
-            if spec is not None and claimed.attempt <= spec.retries:
-                return Outcome("retry"), ctx
-            return Outcome.fail("task_error", f"{type(exc).__name__}: {exc}"), ctx
+        except TaskInterrupt as exc:
+            return self._interrupted(exc, claimed), ctx
+        except Exception as exc:  # noqa: BLE001 - any handler error becomes its outcome
+            return self._failed(exc, claimed, ctx), ctx
         finally:
             self.current = None
+
+    def _interrupted(self, exc: TaskInterrupt, claimed: Claimed) -> Outcome:
+        if isinstance(exc, TaskTimeout):
+            return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s.")
+        if isinstance(exc, TaskHandback):
+            return Outcome("release")
+        if isinstance(exc, GpuFault):
+            return Outcome.lost(self.interrupts.reason or "Its GPU stopped answering.")
+        return _canceled()
+
+    def _failed(self, exc: Exception, claimed: Claimed, ctx: RunningTask) -> Outcome:
+        gpu = self._gpu_outcome(exc, ctx)  # also a CUDA error wrapped in a TaskFailure
+        if gpu is not None:
+            return gpu
+        if isinstance(exc, TaskFailure):
+            return Outcome.fail(exc.code, exc.message)
+        ctx.log.exception("task raised")
+        if ctx.cancelled():  # a retry would run a task its client canceled
+            return _canceled()
+        spec = self.registry.get(ctx.task_type)
+        if spec is not None and claimed.attempt <= spec.retries:
+            return Outcome("retry")
+        return Outcome.fail("task_error", f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def _gpu_outcome(exc: BaseException, ctx: RunningTask) -> Outcome | None:

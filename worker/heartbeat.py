@@ -19,11 +19,10 @@ from redis.exceptions import RedisError
 from dispatcher.backoff import Backoff
 from dispatcher.exits import EXIT_STUCK, EXIT_UNHEALTHY
 from dispatcher.metrics import Recorder
-from dispatcher.reaper import record_reaped
+from dispatcher.reaper import Reaped, record_reaped
 from dispatcher.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import GpuFault, Interrupts, Runner, TaskHandback
-from worker.registry import TaskCanceled
 from worker.sampler import DeviceWatch
 from worker.state import WorkerState
 
@@ -63,6 +62,9 @@ class Heartbeat:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -79,6 +81,9 @@ class Heartbeat:
             except RedisError as exc:
                 self._note_outage(exc)
                 delay = backoff.next()
+            except Exception:
+                log.exception("heartbeat failed", extra={"worker": self.state.name})
+                delay = self.settings.heartbeat_interval_s
             else:
                 if self._outage_since is not None:
                     log.info("redis is back", extra={"worker": self.state.name})
@@ -96,6 +101,8 @@ class Heartbeat:
         """One report. ``relist``: the worker was just unregistered on purpose."""
         if self.watch is not None:
             self.state.device_sample = self.watch.latest()
+        # The reaper first: what it records leaves with this beat's metrics.
+        record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
         drained = self.recorder.drain()
         try:
             renewed, cancels = self.broker.heartbeat(self.state.info(), drained, RUN_TIME_TAU_S)
@@ -107,9 +114,9 @@ class Heartbeat:
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
         for task_id in cancels:  # first: the script already took them off the list
-            self.cancel(task_id)
+            log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
+            self.runner.cancel(task_id)
         self._renew_gpu()
-        record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
 
     def _renew_gpu(self) -> None:
         slot = self.gpu_slot
@@ -138,16 +145,10 @@ class Heartbeat:
             reason,
             extra={"worker": self.state.name},
         )
-        if device_failed and self.runner.current is not None:
-            self._fault_sent_at = time.monotonic()
-            self.interrupts.request(GpuFault, reason)
-
-    def cancel(self, task_id: str) -> None:
         current = self.runner.current
-        if current is not None and current.task_id == task_id:
-            log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
-            current.request_cancel()
-            self.interrupts.request(TaskCanceled)
+        if device_failed and current is not None:
+            self._fault_sent_at = time.monotonic()
+            self.interrupts.request(GpuFault, current, reason)
 
     def watchdog(self) -> None:
         current = self.runner.current
@@ -164,11 +165,11 @@ class Heartbeat:
             log.warning(
                 "shutdown grace over; handing the task back", extra={"task": claimed.task_id}
             )
-            self.interrupts.request(TaskHandback)
+            self.interrupts.request(TaskHandback, current)
         fault_at = self._fault_sent_at
         if fault_at is not None and time.monotonic() - fault_at > self.settings.timeout_grace_s:
             self._abandon_device(current.claimed)
-        overdue_s = time.time() - claimed.started_ms / 1000 - claimed.timeout_s
+        overdue_s = time.monotonic() - current.started_mono - claimed.timeout_s
         if overdue_s > self.settings.timeout_grace_s:
             self._give_up(claimed.task_id, overdue_s)
 
@@ -181,10 +182,12 @@ class Heartbeat:
         )
         fault = {"code": "gpu_fault", "message": self.state.reason}
         try:
-            self.broker.release(claimed, at_head=True, fault=fault)
+            verdict = self.broker.release(claimed, at_head=True, fault=fault)
+            done = [Reaped(claimed.task_id, claimed.cls, self._type(), verdict)]
+            record_reaped(done, self.recorder, "task handed back after a GPU fault", "gpu_fault")
         except RedisError:
             log.exception("could not hand the task back; its lease will")
-        os._exit(EXIT_UNHEALTHY)
+        self._exit(EXIT_UNHEALTHY)
 
     def _give_up(self, task_id: str, overdue_s: float) -> None:
         """The handler ignored its timeout (stuck in native code): report the task as
@@ -203,7 +206,22 @@ class Heartbeat:
             "stop; its worker was restarted.",
         }
         try:
-            self.broker.finish(current.claimed, "failed", error=error)
+            verdict, _ = self.broker.finish(current.claimed, "failed", error=error)
+            if verdict == "ok":
+                self.recorder.count("finished", current.claimed.cls, self._type(), "failed")
         except RedisError:
             log.exception("could not report the stuck task; its lease will hand it back")
-        os._exit(EXIT_STUCK)
+        self._exit(EXIT_STUCK)
+
+    def _type(self) -> str:
+        current = self.runner.current
+        return current.task_type if current is not None else "-"
+
+    def _exit(self, status: int) -> None:
+        """End the process from this thread (the main one is stuck): flush the metrics
+        first, since nothing else will."""
+        try:
+            self.beat()
+        except RedisError:
+            log.warning("exiting without flushing the last metrics (redis unreachable)")
+        os._exit(status)

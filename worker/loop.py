@@ -12,11 +12,12 @@ import os
 import signal
 import time
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from dispatcher.backoff import Backoff
 from dispatcher.jobs import PUBLIC_STATUS
 from dispatcher.metrics import Recorder
+from dispatcher.reaper import Reaped, record_reaped
 from dispatcher.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner, RunningTask
@@ -48,12 +49,18 @@ class WorkerLoop:
 
     def run(self) -> None:
         was_idle = True  # a fresh worker may sit in idle sets from an earlier life
+        redeliver = False
+        device = json.dumps(self.runner.device)  # recorded on each task it starts
         while not self.state.stopping:
             try:
-                claimed = self.broker.claim(was_idle, json.dumps(self.state.device_json()))
+                claimed = self.broker.claim(was_idle, device, redeliver)
+            except ResponseError:
+                raise  # a script error, not an outage: retrying would loop forever
             except RedisError as exc:
+                redeliver = True  # the claim may have run and only its reply was lost
                 self._wait_out(exc)
                 continue
+            redeliver = False
             self._backoff.reset()
             if claimed is None:
                 was_idle = True
@@ -64,6 +71,13 @@ class WorkerLoop:
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
             self._execute(claimed)
+        self._unpark()
+
+    def _unpark(self) -> None:
+        try:
+            self.broker.unpark()
+        except RedisError as exc:
+            log.warning("could not leave the idle sets (%s); the lease will", exc)
 
     def _park(self) -> None:
         deadline = time.monotonic() + RECHECK_S
@@ -119,10 +133,7 @@ class WorkerLoop:
         dropped. Returns the Redis time it ended at, or None when not recorded here."""
         while True:
             try:
-                if outcome.status in ("release", "retry"):
-                    self.broker.release(claimed, at_head=outcome.status == "release")
-                    return None
-                if outcome.status == "lost":
+                if outcome.status in ("release", "retry", "lost"):
                     self._hand_back(claimed, outcome, ctx)
                     return None
                 verdict, ended_ms = self.broker.finish(
@@ -132,6 +143,12 @@ class WorkerLoop:
                     outcome.error,
                     ctx.latest_progress if ctx else None,
                 )
+            except ResponseError:
+                # A script error, not an outage: retrying would never end. Leave; the
+                # lease hands the task to another worker, within its attempt budget.
+                log.exception("redis refused the report", extra={"task": claimed.task_id})
+                self.state.mark_unhealthy("redis refused a task report (a script error)")
+                return None
             except RedisError as exc:
                 if self._abandon(exc):
                     return None
@@ -146,18 +163,19 @@ class WorkerLoop:
             return ended_ms
 
     def _hand_back(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> None:
-        """A GPU fault: the task goes back as a lost attempt (it may be the task's doing,
-        so it must not get more tries than a task that kills its worker)."""
-        verdict = self.broker.release(claimed, at_head=True, fault=outcome.error)
-        if verdict == "requeued":
-            self.recorder.count("requeued", claimed.cls, "gpu_fault")
-        elif verdict == "failed":
-            self.recorder.count("finished", claimed.cls, ctx.task_type if ctx else "-", "failed")
-        log.warning(
-            "task handed back after a GPU fault: %s",
-            verdict,
-            extra={"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls},
-        )
+        """Give the task back: at the head (shutdown), at the tail (a retry), or after a
+        GPU fault as a lost attempt (it may be the task's doing, so it must not get more
+        tries than a task that kills its worker)."""
+        if outcome.status == "lost":
+            verdict = self.broker.release(claimed, at_head=True, fault=outcome.error)
+            why, reason = "task handed back after a GPU fault", "gpu_fault"
+        else:
+            verdict = self.broker.release(claimed, at_head=outcome.status == "release")
+            why, reason = f"task given back ({outcome.status})", "worker_lost"
+        if verdict != "released":
+            task_type = ctx.task_type if ctx else "-"
+            done = [Reaped(claimed.task_id, claimed.cls, task_type, verdict)]
+            record_reaped(done, self.recorder, why, reason)
 
     def _abandon(self, exc: RedisError) -> bool:
         """Wait before retrying a report; give up only when stopping past the grace

@@ -64,10 +64,11 @@ def _register(broker: Broker, state: WorkerState, settings: Settings, recorder: 
     return False
 
 
-def _install_signals(state: WorkerState, interrupts: Interrupts) -> None:
+def _install_signals(state: WorkerState, interrupts: Interrupts, runner: Runner) -> None:
     def on_stop(signum: int, frame: FrameType | None) -> None:
-        if state.stopping:  # second signal: don't wait for the grace period
-            interrupts.request(TaskHandback)
+        current = runner.current
+        if state.stopping and current is not None:  # second signal: no grace period
+            interrupts.request(TaskHandback, current)
         state.request_stop()
 
     signal.signal(signal.SIGTERM, on_stop)
@@ -143,19 +144,26 @@ class _Worker:
         worker is listed again (as ``unhealthy``, with its reason, holding nothing)
         until its lease runs out, so operators and dashboards see why it went; a
         restarted process of the same name may take the name over at once."""
+        self.heartbeat.gpu_slot = None  # before stop(): no late beat may renew the claim
         self.heartbeat.stop()
-        self.heartbeat.gpu_slot = None  # the last beat must not renew it
+        if self.heartbeat.alive():  # stuck on a hung Redis: a last beat would race it
+            log.warning("heartbeat did not stop; leaving without a last report")
+            return
         try:
             if self.gpu_slot is not None:
                 self.broker.gpu_release(self.gpu_slot)
             if self.state.unhealthy:
-                self.broker.unregister()  # out of the idle sets: no doorbell rings for it
+                self._unregister()  # out of the idle sets: no doorbell rings for it
                 self.heartbeat.beat(relist=True)  # listed again, as unhealthy, for a lease
             else:
                 self.heartbeat.beat()  # the last metrics
-                self.broker.unregister()
+                self._unregister()
         except RedisError as exc:
             log.warning("could not unregister (%s); the leases will expire by themselves", exc)
+
+    def _unregister(self) -> None:
+        # Normally empty: a clean exit finished or handed back its task first.
+        record_reaped(self.broker.unregister(), self.recorder, "gave back a task on exit")
 
 
 def run_worker(
@@ -180,7 +188,7 @@ def run_worker(
         log.error("%s", exc, extra={"worker": name})
         return EXIT_CONFIG
     worker = _Worker(settings, served, name)
-    _install_signals(worker.state, worker.interrupts)
+    _install_signals(worker.state, worker.interrupts, worker.runner)
     if not _register(worker.broker, worker.state, settings, worker.recorder):
         if not worker.state.stopping:
             log.error("a live worker is already named %r; choose another --name", worker.state.name)

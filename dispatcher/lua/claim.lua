@@ -5,7 +5,8 @@
 -- promotion age goes first (batch cannot starve behind a stream of interactive work).
 -- With nothing to take, the worker parks in the idle sets of its classes, where
 -- submit.lua finds it to ring its doorbell.
--- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device}
+-- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
+--           redeliver (the caller lost the reply of its last claim)}
 -- Returns {id, class, data, attempts, timeout, created_ms, started_ms, file|nil} or nil.
 local o = cjson.decode(ARGV[1])
 local w = o.worker
@@ -50,6 +51,24 @@ end
 
 if o.was_idle then
   for _, c in ipairs(o.classes) do redis.call('SREM', K.idle(c), w) end
+end
+
+-- The reply to an earlier claim was lost (a timeout or a reset connection): the task it
+-- took is in our in-flight list, started by us. Hand it over again, not another one,
+-- or it would stay 'started' until this worker exits.
+if o.redeliver then
+  for _, c in ipairs(o.classes) do
+    local id = redis.call('LINDEX', K.inflight(w, c), 0)
+    if id then
+      local f = redis.call('HMGET', K.job(id), 'status', 'data', 'attempts', 'timeout_s',
+        'created_ms', 'has_file', 'worker_name', 'started_ms')
+      if f[1] == 'started' and f[7] == w then
+        local file = false
+        if f[6] == '1' then file = redis.call('GET', K.file(id)) end
+        return {id, c, f[2], tonumber(f[3]), f[4] or '', f[5] or '', tonumber(f[8]), file}
+      end
+    end
+  end
 end
 
 for i, c in ipairs(o.classes) do

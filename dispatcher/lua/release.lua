@@ -4,11 +4,17 @@
 -- error, or its device stopped answering) it counts as one, exactly like a dead
 -- worker's task (lose() in _prelude.lua), so a task that breaks every GPU still ends.
 -- ARGV[1]: {id, worker, class, classes, at_head, fault?, ttl_s, max_attempts}.
--- Returns 'released' ('requeued', 'failed', 'canceled' with a fault) or what it found.
+-- Returns 'released', 'canceled' (a cancel was requested), with a fault 'requeued',
+-- 'failed' or 'canceled', or what it found.
 local o = cjson.decode(ARGV[1])
 if redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id) == 0 then return 'gone' end
-local status = redis.call('HGET', K.job(o.id), 'status')
-if status ~= 'started' then return status or 'gone' end
+local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota')
+if f[1] ~= 'started' then return f[1] or 'gone' end
 if o.fault then return (lose(o.id, o.class, o.worker, now_ms(), o, o.fault)) end
+if f[2] == '1' then -- its client canceled it meanwhile: back in the queue it would run
+  finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
+    message = 'Canceled while running.'})}, quota_of(f[3], f[4]))
+  return 'canceled'
+end
 requeue(o.id, o.class, o.classes, {}, o.at_head)
 return 'released'

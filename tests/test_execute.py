@@ -1,0 +1,67 @@
+"""The runner's interrupts, in process: a request stops only the run it names, and a
+cancel that arrives before its run starts is not lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from dispatcher.jobs import encode_call
+from worker.broker import Claimed
+from worker.execute import Interrupts, Runner
+from worker.registry import Registry, TaskCanceled
+
+
+class Args(BaseModel):
+    seconds: float = 0.0
+
+
+@pytest.fixture
+def runner() -> Iterator[tuple[Runner, list[str]]]:
+    ran: list[str] = []
+    registry = Registry()
+
+    @registry.task("nap")
+    def nap(args: Args, ctx: Any) -> str:
+        ran.append(ctx.task_id)
+        time.sleep(args.seconds)
+        return "woke"
+
+    yield Runner(registry, Interrupts(), lambda *_: None, {}, "w", 1 << 20), ran
+
+
+def _claimed(task_id: str, seconds: float = 0.0) -> Claimed:
+    data = encode_call("nap", {"seconds": seconds})
+    return Claimed(task_id, "batch", data, 1, 30.0, None, 0, None)
+
+
+def test_a_request_for_another_run_is_ignored() -> None:
+    interrupts = Interrupts()
+    finished, other = object(), object()
+    with interrupts.armed(30, finished):
+        interrupts.request(TaskCanceled, other)  # meant for a run that already ended
+        time.sleep(0.05)  # the signal is delivered here, and must not raise
+    with pytest.raises(TaskCanceled), interrupts.armed(30, finished):
+        interrupts.request(TaskCanceled, finished)
+        time.sleep(5)
+
+
+def test_cancel_before_the_run_starts_is_kept(runner: tuple[Runner, list[str]]) -> None:
+    run, ran = runner
+    run.cancel("t1")  # the heartbeat saw the cancel between claim and start
+    outcome, _ = run.run(_claimed("t1"))
+    assert outcome.status == "canceled" and ran == []
+    outcome, _ = run.run(_claimed("t2"))  # other tasks are not affected
+    assert outcome.status == "finished" and ran == ["t2"]
+
+
+def test_cancel_of_the_running_task_stops_it(runner: tuple[Runner, list[str]]) -> None:
+    run, _ = runner
+    threading.Timer(0.2, run.cancel, args=("t3",)).start()
+    outcome, _ = run.run(_claimed("t3", seconds=30))
+    assert outcome.status == "canceled"
