@@ -31,21 +31,20 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from redis.asyncio import Redis
 
 from dispatcher import keys
-from dispatcher.metrics import BUCKETS, COUNTERS, HISTOGRAMS
-from dispatcher.pool import Snapshot
+from dispatcher.metrics import BUCKETS, COUNTERS, HISTOGRAMS, le_text
+from dispatcher.pool import WORKER_STATES, Snapshot
 
 __all__ = ["Histogram", "Recorded", "parse", "pool_families", "read_recorded", "render"]
 
 Labels = tuple[str, ...]
 
-# The states a worker publishes (worker.state.State; dispatcher/ does not import worker/).
-# Each is exported even at zero so that an alert on `gpulane_workers{state="idle"} == 0`
-# has a series to evaluate instead of an absent one.
-WORKER_STATES = ("starting", "waiting_for_gpu", "idle", "busy", "stopping", "unhealthy")
+# Every worker state (pool.WORKER_STATES) is exported, zero included, so an alert on
+# `gpulane_workers{state="idle"} == 0` has a series to evaluate, not an absent one.
 
 _HELP = {
     "submitted": "Tasks accepted by the API.",
-    "rejected": "Submits refused by admission control (503), by reason.",
+    "rejected": "Submits refused: admission (503) or a tenant's limits (429), by reason; "
+    'class "-" when refused before the class was read.',
     "finished": "Tasks that reached a final status.",
     "requeued": "Tasks given back to their queue after their worker was lost.",
     "queue_wait": "Seconds from submit to start, per started task.",
@@ -82,11 +81,6 @@ class Histogram:
             {b: self.buckets.get(b, 0.0) - earlier.buckets.get(b, 0.0) for b in bounds},
             self.sum - earlier.sum,
         )
-
-    def merge(self, other: Histogram) -> None:
-        for bound, n in other.buckets.items():
-            self.buckets[bound] = self.buckets.get(bound, 0.0) + n
-        self.sum += other.sum
 
 
 @dataclass
@@ -133,11 +127,6 @@ async def read_recorded(client: Redis) -> Recorded:
     return parse(await client.hgetall(keys.METRICS))
 
 
-def _le(bound: float) -> str:
-    """Prometheus' spelling of a bucket bound, as ``dispatcher.metrics`` writes it."""
-    return "+Inf" if math.isinf(bound) else repr(bound)
-
-
 def _recorded_families(recorded: Recorded) -> Iterator[Metric]:
     for short, (name, labels) in COUNTERS.items():
         counter = CounterMetricFamily(name, _HELP[short], labels=labels)
@@ -147,7 +136,7 @@ def _recorded_families(recorded: Recorded) -> Iterator[Metric]:
     for short, (name, labels) in HISTOGRAMS.items():
         histogram = HistogramMetricFamily(name, _HELP[short], labels=labels, unit="seconds")
         for values, hist in sorted(recorded.histograms.get(short, {}).items()):
-            buckets = [(_le(bound), n) for bound, n in hist.cumulative()]
+            buckets = [(le_text(bound), n) for bound, n in hist.cumulative()]
             histogram.add_metric(values, buckets, hist.sum)
         yield histogram
 

@@ -19,7 +19,7 @@ import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "Drained", "Recorder"]
+__all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "Drained", "Recorder", "le_text"]
 
 # Seconds; GPU work spans milliseconds (a cached inference) to an hour (a long batch).
 BUCKETS = (
@@ -44,7 +44,14 @@ BUCKETS = (
     7200.0,
     float("inf"),
 )
-_LE = tuple("+Inf" if b == float("inf") else repr(b) for b in BUCKETS)
+
+
+def le_text(bound: float) -> str:
+    """Prometheus' spelling of a bucket bound (the ``le`` label and the hash fields)."""
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+_LE = tuple(le_text(b) for b in BUCKETS)
 
 # Prometheus name -> label names; the short key is what the hash fields use.
 COUNTERS = {

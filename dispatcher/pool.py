@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from redis.asyncio import Redis
 
@@ -14,7 +14,11 @@ from dispatcher import admission, keys
 from dispatcher.jobs import iso_ms
 from dispatcher.settings import ClassConfig, Settings
 
-__all__ = ["NOT_SERVING", "ClassState", "Pool", "Snapshot"]
+__all__ = ["NOT_SERVING", "WORKER_STATES", "ClassState", "Pool", "Snapshot", "WorkerStatus"]
+
+# What a worker publishes as its state (worker.state writes it, this module reads it).
+WorkerStatus = Literal["starting", "waiting_for_gpu", "idle", "busy", "stopping", "unhealthy"]
+WORKER_STATES: tuple[str, ...] = get_args(WorkerStatus)
 
 # Live workers that take no task yet or any more: loading (registered before it has a
 # device and its task modules), waiting for a free GPU, draining on its way out, or

@@ -19,7 +19,7 @@ from dispatcher.exporter import Histogram, Recorded
 __all__ = ["LatencyWindow", "class_stats", "latency_by_class", "quantile"]
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
-FINAL_STATUSES = ("succeeded", "failed", "canceled")
+PUBLIC_FINAL = ("succeeded", "failed", "canceled")
 
 
 def quantile(q: float, cumulative: list[tuple[float, float]]) -> float | None:
@@ -114,7 +114,7 @@ def class_stats(
 ) -> dict[str, Any]:
     """One class's entry of ``GET /stats``."""
     counters = recorded.counters
-    finished = dict.fromkeys(FINAL_STATUSES, 0)
+    finished = dict.fromkeys(PUBLIC_FINAL, 0)
     finished.update(_sum_by(counters.get("finished", {}), cls, 2))
     latency = latency_by_class(recorded).get(cls, Histogram())
     window_s: float | None = None

@@ -9,7 +9,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from dispatcher.client import Client, GpulaneError
+from dispatcher.client import Client, NotFound, Unauthorized
 
 __all__ = ["pool_view", "show_status"]
 
@@ -31,7 +31,9 @@ def _device(device: dict[str, Any] | None) -> str:
         return "cpu"
     util = device.get("utilization")
     used, total = device.get("memory_used_bytes"), device.get("memory_total_bytes")
-    parts = [f"gpu{device.get('index')} {device.get('name', '')}"]
+    index = device.get("index")
+    label = f"gpu{index}" if index is not None else str(device.get("uuid", "gpu"))
+    parts = [f"{label} {device.get('name', '')}"]
     if util is not None:
         parts.append(f"{util * 100:.0f}%")
     if total:
@@ -101,7 +103,7 @@ def _fetch(client: Client) -> Group:
     queues = client.queues()
     try:
         workers: dict[str, Any] | None = client.workers()
-    except GpulaneError:
+    except (NotFound, Unauthorized):
         workers = None  # not an admin key: classes only
     return pool_view(queues, workers)
 

@@ -15,13 +15,14 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Literal
+from typing import Any
 
+from dispatcher.pool import WorkerStatus
 from worker.devices import Device
 
 __all__ = ["State", "WorkerState"]
 
-State = Literal["starting", "waiting_for_gpu", "idle", "busy", "stopping", "unhealthy"]
+State = WorkerStatus
 
 
 class WorkerState:

@@ -271,7 +271,7 @@ function renderClasses(queues, stats) {
 
 function rejectionNote(reasons, recent) {
   if (!reasons.length) return "No submits refused.";
-  const parts = reasons.map(([reason, n]) => `${reason.replace("_", " ")} ${n}`).join(", ");
+  const parts = reasons.map(([reason, n]) => `${reason.replaceAll("_", " ")} ${n}`).join(", ");
   const since = recent && recent.n > 0 ? `; ${recent.n} in the last ${span(recent.over)}` : "";
   return `Refused: ${parts}${since}.`;
 }
