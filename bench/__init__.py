@@ -8,7 +8,9 @@ Scenarios, each in :mod:`bench.scenarios`:
   least-connections push routers, and the ideal central queue (simulated);
 - ``scaling``: throughput on 1, 2, 4 and 8 workers;
 - ``api``: accepted HTTP submits per second and their latency under concurrency;
-- ``memory``: resident memory of an idle worker and of the API after load.
+- ``memory``: resident memory of an idle worker and of the API after load;
+- ``priority``: interactive waits under a batch flood, shared pool or one reserved worker;
+- ``recovery``: SIGKILL of a busy worker until its task runs again, against plain RQ.
 
 Every scenario starts its own ``redis-server`` and real ``gpulane`` processes and
 writes a markdown table and PNG charts to ``bench/results/``. Benchmarks are never

@@ -21,9 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
+from bench.harness import UNLIMITED
 from dispatcher.jobs import encode_call
 from dispatcher.scripts import AsyncScripts
-from dispatcher.settings import ClassConfig, Settings
+from dispatcher.settings import Settings
 from dispatcher.store import Submission, submit_options
 
 HEADERS = {"Gpulane-Queue-Depth": "1", "Gpulane-Estimated-Wait": "-1", "Gpulane-Pressure": "ok"}
@@ -51,12 +52,11 @@ async def bare_submit(request: Request) -> JSONResponse:
 
 
 _SETTINGS = Settings()
-_LIMITS = ClassConfig(max_queued=10**7, max_wait_s=1e9)
 
 
-def _submit_args(body: dict[str, Any], task_id: str) -> tuple[str, bytes, bytes]:
+def _submit_args(body: dict[str, Any]) -> tuple[str, bytes, bytes]:
     sub = Submission(body["type"], "batch", body.get("args", {}), 600.0, "default")
-    opts = submit_options(sub, _LIMITS, 0, 1.0, _SETTINGS)
+    opts = submit_options(sub, UNLIMITED, 0, 1.0, _SETTINGS)
     return opts, encode_call(body["type"], body.get("args", {})), b""
 
 
@@ -74,6 +74,5 @@ redis_app = FastAPI(lifespan=_lifespan)
 @redis_app.post("/tasks")
 async def redis_submit(request: Request) -> JSONResponse:
     body = json.loads(await request.body())
-    task_id = str(uuid.uuid4())
-    await request.app.state.scripts.run("submit", *_submit_args(body, task_id))
-    return _reply(task_id, body)
+    reply = await request.app.state.scripts.run("submit", *_submit_args(body))
+    return _reply(reply[1].decode(), body)  # the id the script stored

@@ -16,14 +16,14 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from bench.harness import UNLIMITED
 from dispatcher import keys
-from dispatcher.jobs import encode_call
-from dispatcher.scripts import SyncScripts
-from dispatcher.settings import ClassConfig, Settings
+from dispatcher.jobs import FINAL_STATUSES, encode_call
+from dispatcher.scripts import SyncScripts, source
+from dispatcher.settings import Settings
 from dispatcher.store import Submission, submit_options
 
 RECORD = ("created_ms", "started_ms", "ended_ms", "worker_name", "status")
-UNLIMITED = ClassConfig(max_queued=10_000_000, max_wait_s=1e9)  # benchmarks never refuse
 
 
 class Submitter:
@@ -50,7 +50,7 @@ class Submitter:
 
     def fill(self, n: int, task_type: str, args: dict[str, Any], cls: str) -> list[str]:
         """Enqueue ``n`` tasks in pipelined batches; returns their ids."""
-        script = self.scripts._bound["submit"]
+        script = self.client.register_script(source("submit"))
         data = encode_call(task_type, args)
         ids: list[str] = []
         for start in range(0, n, 500):
@@ -91,7 +91,7 @@ def gl_done(client: redis.Redis, ids: list[str]) -> bool:
     pipe = client.pipeline(transaction=False)
     for task_id in ids:
         pipe.hget(keys.job(task_id), "status")
-    return all(s in (b"finished", b"failed", b"canceled") for s in pipe.execute())
+    return all(s is not None and s.decode() in FINAL_STATUSES for s in pipe.execute())
 
 
 # -- plain RQ -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ Process logs go to a temporary directory (kept only when a run fails).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -28,13 +29,24 @@ from typing import Any
 import redis
 
 from dispatcher import keys
+from dispatcher.settings import ClassConfig
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_TASKS = "bench.gl_tasks"  # gpulane task module loaded by the bench workers
-RQ_TASKS = "bench.rq_tasks"  # plain-RQ functions
 
 # Class limits raised so admission never refuses during a benchmark.
+# Benchmarks measure dispatch, never admission: classes that never refuse.
 OPEN_CLASS = {"max_queued": 10_000_000, "max_wait_s": 1e9, "reject_without_workers": False}
+UNLIMITED = ClassConfig(**OPEN_CLASS)
+
+
+def publish_catalog(client: redis.Redis) -> None:
+    """Publish the built-in task types, as a worker does when it registers."""
+    import worker.tasks.builtin  # noqa: F401 - registers the built-ins
+    from worker.registry import REGISTRY
+
+    for name, entry in REGISTRY.catalog().items():
+        client.hset(keys.CATALOG, name, json.dumps(entry))
 
 
 def free_port() -> int:

@@ -1,7 +1,8 @@
 """The balancing trace and zero-overhead models of the three dispatch policies.
 
 :func:`make_trace` draws one seeded trace: log-normal service times (heavy tail: mean
-200 ms, median ~40 ms, p99 ~2.6 s with sigma 1.8, capped at 8 s; stratified so short
+200 ms, median ~40 ms, p99 ~2.6 s with sigma 1.8, capped at 40 means (8 s at the
+default mean); stratified so short
 traces keep the tail) and Poisson
 arrivals whose rate puts ``workers`` servers at the requested load. The service times
 and the arrival pattern are drawn once; a load only rescales the gaps, so every load
@@ -25,7 +26,7 @@ from statistics import NormalDist
 import numpy as np
 
 SIGMA = 1.8
-CAP_S = 8.0
+CAP_S = 8.0  # at the default 200 ms mean; scaled with the mean
 
 
 @dataclass(frozen=True)

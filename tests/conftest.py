@@ -13,6 +13,7 @@ import pytest
 import redis
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # bench/, for its smoke test
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from support.servers import (

@@ -16,6 +16,7 @@ from support.servers import RedisServer, wait_for
 from support.up import Up
 
 from dispatcher import keys
+from dispatcher.jobs import FINAL_STATUSES
 
 TASKS = 300
 
@@ -50,7 +51,7 @@ def _unfinished(client: redis.Redis, ids: list[str]) -> int:
     pipe = client.pipeline(transaction=False)
     for task_id in ids:
         pipe.hget(keys.job(task_id), "status")
-    return sum(status not in (b"finished", b"failed", b"canceled") for status in pipe.execute())
+    return sum(s is None or s.decode() not in FINAL_STATUSES for s in pipe.execute())
 
 
 @pytest.mark.slow

@@ -190,7 +190,7 @@ def run(size: str, outdir: Path) -> Report:
     }
     for load, r in results.items():
         report.tables.append(_load_table(load, r, stats[load], cfg))
-    _targets(report, stats)
+    _targets(report, stats, cfg.workers)
     report.charts.append(_chart(results, stats, outdir))
     report.notes.append(
         "Idle share: worker time spent idle while a task waited in a queue that worker "
@@ -226,12 +226,12 @@ def _load_table(load: float, r: dict[str, Any], stats: dict[str, tr.Metrics], cf
     )
 
 
-def _targets(report: Report, stats: dict[float, dict[str, tr.Metrics]]) -> None:
+def _targets(report: Report, stats: dict[float, dict[str, tr.Metrics]], workers: int) -> None:
     s = stats[max(stats)]
     pull, ideal, rr, lc = s["pull"].p99, s["ideal"].p99, s["rr"].p99, s["lc"].p99
     report.targets += [
         Target(
-            "p99 latency, 90% load, heavy tail, 4 workers (smoke: 2)",
+            f"p99 latency, 90% load, heavy tail, {workers} workers",
             f"ideal central queue: {ideal:.2f} s",
             "<= 1.10x ideal",
             f"{pull:.2f} s = {pull / ideal:.2f}x",

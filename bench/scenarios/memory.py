@@ -16,9 +16,9 @@ from typing import Any
 
 from bench import loadgen
 from bench.glside import Submitter, gl_done
-from bench.harness import Stack, rss_mb, wait_for
+from bench.harness import Stack, publish_catalog, rss_mb, wait_for
 from bench.report import Report, Table, Target, figure, save
-from bench.scenarios.api import BODY, CLASSES, publish_catalog
+from bench.scenarios.api import BODY, CLASSES
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,12 @@ from bench.glside import (
 from bench.harness import Stack, wait_for
 from bench.report import Report, Table, Target, figure, pct, save
 from dispatcher import keys
+from dispatcher.jobs import FINAL_STATUSES
 
 CLASSES = ["interactive", "batch"]
 TYPE = "bench.stamp"
 RQ_QUEUE = "plain"
-FINAL = (b"finished", b"failed", b"canceled")
-RQ_BASELINE = "plain RQ: p50 2.3 ms, p99 3.5 ms (DESIGN)"
+FINAL = {status.encode() for status in FINAL_STATUSES}
 
 
 @dataclass(frozen=True)
