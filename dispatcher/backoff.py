@@ -1,4 +1,4 @@
-"""Capped exponential backoff with full jitter, for every loop that waits on Redis."""
+"""Capped exponential backoff with jitter, for every loop that waits on Redis."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ __all__ = ["Backoff"]
 
 
 class Backoff:
-    """``next()`` returns a delay in [0, min(cap, initial * 2**n)); ``reset()`` after success."""
+    """``next()`` returns a delay in [c/2, c) with c = min(cap, initial * 2**n): spread,
+    but never a near-zero retry storm; ``reset()`` after success."""
 
     def __init__(self, initial_s: float = 0.1, cap_s: float = 5.0) -> None:
         self.initial_s = initial_s

@@ -22,7 +22,7 @@ gpulane's keys::
     gpulane:idle:<class>             SET    workers parked waiting for that class
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
-    gpulane:stats:<class>            HASH   moving averages: run time, drain rate
+    gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids

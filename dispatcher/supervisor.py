@@ -67,7 +67,6 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     quick_exits: int = 0
-    restarts: int = 0
     restart_at: float | None = None
     given_up: bool = False
 
@@ -93,7 +92,6 @@ class Child:
 
     def schedule_restart(self, now: float) -> bool:
         """Plan a restart with capped backoff; False when it crash-loops (given up)."""
-        self.restarts += 1
         if now - self.started_at >= HEALTHY_AFTER_S:
             self.quick_exits = 0
             self.restart_at = now
@@ -114,6 +112,20 @@ def _die_with_parent() -> None:
         pr_set_pdeathsig = 1
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _terminate(children: list[Child], within_s: float) -> None:
+    """SIGTERM the running ones, wait up to ``within_s``, then SIGKILL stragglers."""
+    running = [c.process for c in children if c.process and c.process.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + within_s
+    for process in running:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _lock(directory: Path) -> IO[str] | None:
@@ -326,16 +338,10 @@ class Supervisor:
             "stopping: workers finish their running task (grace "
             f"{self.settings.shutdown_grace_s:g} s), then the API and redis"
         )
-        running = [c.process for c in self.children if c.process and c.process.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.shutdown_grace_s + 5
-        for process in running:
-            try:
-                process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        # The API answers status polls while the workers drain; Redis goes last.
+        workers = [c for c in self.children if c.name != "api"]
+        _terminate(workers, self.settings.shutdown_grace_s + 5)
+        _terminate([c for c in self.children if c.name == "api"], 10)
         if self.redis is not None:
             self.redis.stop()
         if self.listener is not None:

@@ -46,7 +46,6 @@ class Broker:
         self.name = name
         self.classes = classes  # served, in priority order
         self._scripts = SyncScripts(client)
-        self._all = settings.class_names
         self._wake_key = keys.wake(name)
         self._aging = {
             cls: int(cfg.promote_after_s * 1000)

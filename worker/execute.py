@@ -2,9 +2,9 @@
 
 The handler runs in the main thread. It is stopped by raising an exception into that
 thread from a signal handler: ``SIGALRM`` for its timeout, ``SIGUSR1`` when another
-thread asks (a cancel, or the end of the shutdown grace). Both interrupt blocking
-calls such as ``time.sleep``. Code stuck in native code that never returns to Python
-is the heartbeat's watchdog's business (it ends the process).
+thread asks (a cancel, the end of the shutdown grace, a second SIGTERM, a GPU fault).
+Both interrupt blocking calls such as ``time.sleep``. Code stuck in native code that
+never returns to Python is the heartbeat's watchdog's business (it ends the process).
 """
 
 from __future__ import annotations

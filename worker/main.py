@@ -125,7 +125,7 @@ class _Worker:
         # so admission counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")
         if not _register(self.broker, self.state, self.settings, self.recorder):
-            return 0  # stopped (or found unhealthy) before it could serve
+            return 0  # stopped (or unhealthy, or its name taken) before it could serve
         device = self.state.device
         log.info(
             "worker ready on %s (%s%s), classes %s, tasks %s",

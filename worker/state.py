@@ -4,7 +4,8 @@
 States: ``starting`` (registered, loading), ``waiting_for_gpu`` (every GPU it may use
 is claimed; it serves nothing yet), ``idle``, ``busy``, ``stopping`` (finishing its
 task after SIGTERM) and ``unhealthy`` (its GPU faulted or stopped answering: it takes
-no more tasks and exits to be restarted). ``reason`` says why for the last two kinds.
+no more tasks and exits to be restarted). ``reason`` says why for ``waiting_for_gpu``
+and ``unhealthy``.
 """
 
 from __future__ import annotations
