@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))  # bench/, for its smoke test
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from support.catalog import publish_builtin_catalog
 from support.servers import (
     TEST_TASKS,
     ApiServer,
@@ -54,6 +55,13 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 def make_settings(redis_url: str, **overrides: Any) -> Settings:
     return Settings(redis_url=redis_url, **{**FAST, **overrides})
+
+
+@pytest.fixture
+def known_types(r: redis.Redis) -> None:
+    """The built-in and test task types known with no worker running. Request it
+    before `api`/`http`, which read the catalog at start."""
+    publish_builtin_catalog(r)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ and the client's retries."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
-from support.catalog import publish_builtin_catalog
+from support.catalog import publish_builtin_catalog, tenant
 from support.servers import ApiServer, wait_for
 
 from dispatcher import keys
@@ -26,8 +25,7 @@ KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key", "ops": "ops-ad
 
 
 def _tenant(name: str, **limits: Any) -> TenantConfig:
-    digest = hashlib.sha256(KEYS[name].encode()).hexdigest()
-    return TenantConfig(name=name, key_sha256=[digest], **limits)
+    return tenant(name, KEYS[name], **limits)
 
 
 def _auth(name: str) -> dict[str, str]:

@@ -16,12 +16,6 @@ from support.servers import ApiServer, RedisServer, wait_for
 BACKPRESSURE = ("gpulane-queue-depth", "gpulane-estimated-wait", "gpulane-pressure")
 
 
-@pytest.fixture
-def known(r: redis.Redis) -> None:
-    """Task types known to the API without a worker running them."""
-    publish_builtin_catalog(r)
-
-
 def _error(response: httpx.Response, status: int, code: str) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
@@ -33,20 +27,20 @@ def _error(response: httpx.Response, status: int, code: str) -> dict:
     return body
 
 
-def test_unknown_task_type_lists_known(http: httpx.Client, known: None) -> None:
+def test_unknown_task_type_lists_known(http: httpx.Client, known_types: None) -> None:
     body = _error(http.post("/tasks", json={"type": "resize"}), 422, "unknown_task_type")
     assert {"echo", "sleep", "document.extract"} <= set(body["known"])
     assert "resize" in body["message"]
 
 
-def test_unknown_class_lists_known(http: httpx.Client, known: None) -> None:
+def test_unknown_class_lists_known(http: httpx.Client, known_types: None) -> None:
     body = _error(
         http.post("/tasks", json={"type": "echo", "class": "urgent"}), 422, "unknown_class"
     )
     assert body["known"] == ["interactive", "batch"]
 
 
-def test_args_that_fail_the_model(http: httpx.Client, known: None) -> None:
+def test_args_that_fail_the_model(http: httpx.Client, known_types: None) -> None:
     body = _error(
         http.post("/tasks", json={"type": "sleep", "args": {"seconds": -1}}), 422, "invalid_request"
     )
@@ -58,7 +52,7 @@ def test_args_that_fail_the_model(http: httpx.Client, known: None) -> None:
     _error(http.post("/tasks", json={"type": "sleep", "args": [1]}), 422, "invalid_request")
 
 
-def test_malformed_json(http: httpx.Client, known: None) -> None:
+def test_malformed_json(http: httpx.Client, known_types: None) -> None:
     headers = {"content-type": "application/json"}
     body = _error(
         http.post("/tasks", content=b'{"type": "echo"', headers=headers), 400, "invalid_request"
@@ -70,18 +64,18 @@ def test_malformed_json(http: httpx.Client, known: None) -> None:
     _error(http.post("/tasks", content=nested, headers=headers), 400, "invalid_request")
 
 
-def test_unknown_field_and_missing_type(http: httpx.Client, known: None) -> None:
+def test_unknown_field_and_missing_type(http: httpx.Client, known_types: None) -> None:
     body = _error(http.post("/tasks", json={"type": "echo", "arg": {}}), 422, "invalid_request")
     assert "arg" in body["message"]
     _error(http.post("/tasks", json={"args": {}}), 422, "invalid_request")
 
 
-def test_unsupported_content_type(http: httpx.Client, known: None) -> None:
+def test_unsupported_content_type(http: httpx.Client, known_types: None) -> None:
     response = http.post("/tasks", content=b"type=echo", headers={"content-type": "text/plain"})
     _error(response, 400, "invalid_request")
 
 
-def test_non_json_args_form_field(http: httpx.Client, known: None) -> None:
+def test_non_json_args_form_field(http: httpx.Client, known_types: None) -> None:
     response = http.post(
         "/tasks",
         files={"file": ("a.pdf", make_pdf(["x"]), "application/pdf")},
@@ -91,7 +85,7 @@ def test_non_json_args_form_field(http: httpx.Client, known: None) -> None:
     assert "args" in body["message"]
 
 
-def test_file_rules_per_task_type(http: httpx.Client, known: None) -> None:
+def test_file_rules_per_task_type(http: httpx.Client, known_types: None) -> None:
     _error(http.post("/tasks", json={"type": "document.extract"}), 422, "invalid_request")
     response = http.post(
         "/tasks", files={"file": ("a.pdf", b"%PDF", "application/pdf")}, data={"type": "echo"}
@@ -100,13 +94,13 @@ def test_file_rules_per_task_type(http: httpx.Client, known: None) -> None:
 
 
 @pytest.mark.parametrize("timeout_s", [0, -5, 10**9, "soon"])
-def test_timeout_out_of_range(http: httpx.Client, known: None, timeout_s: object) -> None:
+def test_timeout_out_of_range(http: httpx.Client, known_types: None, timeout_s: object) -> None:
     _error(
         http.post("/tasks", json={"type": "echo", "timeout_s": timeout_s}), 422, "invalid_request"
     )
 
 
-def test_idempotency_key_too_long(http: httpx.Client, known: None) -> None:
+def test_idempotency_key_too_long(http: httpx.Client, known_types: None) -> None:
     response = http.post("/tasks", json={"type": "echo"}, headers={"Idempotency-Key": "k" * 300})
     _error(response, 422, "invalid_request")
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 from support.servers import RedisServer, wait_for
-from support.up import Up
+from support.up import Up, up_env
 
 from dispatcher import keys
 from dispatcher.jobs import FINAL_STATUSES
@@ -57,10 +57,7 @@ def _unfinished(client: redis.Redis, ids: list[str]) -> int:
 @pytest.mark.slow
 def test_random_sigkills_lose_nothing(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis").start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
-    env.update(XDG_DATA_HOME=str(tmp_path), GPULANE_REDIS_URL=server.url,
-               GPULANE_HEARTBEAT_INTERVAL_S="0.2", GPULANE_LEASE_TTL_S="1",
-               GPULANE_MAX_ATTEMPTS="10", GPULANE_SHUTDOWN_GRACE_S="2")  # fmt: skip
+    env = up_env(tmp_path, redis_url=server.url, max_attempts=10, shutdown_grace_s=2)
     up = Up(env, "--workers", "4")
     client = server.client()
     rng = random.Random(3)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,17 +12,12 @@ import httpx
 import pytest
 from support.pdf import make_pdf
 from support.servers import REPO, wait_for
-from support.up import Up
+from support.up import Up, up_env
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
-    environment["XDG_DATA_HOME"] = str(tmp_path)  # default data dir: tmp_path/gpulane
-    environment["GPULANE_HEARTBEAT_INTERVAL_S"] = "0.2"
-    environment["GPULANE_LEASE_TTL_S"] = "1"
-    environment["GPULANE_SHUTDOWN_GRACE_S"] = "5"
-    yield environment
+    yield up_env(tmp_path)
 
 
 def _redis_servers(data_dir: Path) -> list[str]:

@@ -7,7 +7,6 @@ The live-pool test keeps its screenshots (desktop and phone width) under
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -17,10 +16,11 @@ import pytest
 import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
+from support.catalog import tenant
 from support.observe import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, fake_gpu_worker
 from support.servers import REPO, ApiServer, wait_for
 
-from dispatcher.settings import ClassConfig, Settings, TenantConfig
+from dispatcher.settings import ClassConfig, Settings
 
 GiB = 2**30
 NO_VALUE = "\u2013"  # the en dash the page shows for a value it does not have
@@ -161,10 +161,7 @@ def test_dashboard_asks_for_a_key_and_draws_gpu_bars(
     r: redis.Redis,
     browser: Browser,
 ) -> None:
-    digest = hashlib.sha256(b"ops-key").hexdigest()
-    settings = make_settings(
-        redis_url, tenants=[TenantConfig(name="ops", key_sha256=[digest], admin=True)]
-    )
+    settings = make_settings(redis_url, tenants=[tenant("ops", "ops-key", admin=True)])
     api = api_factory(settings)
     fake_gpu_worker(r, "gpu-sim", utilization=0.42, used_bytes=12 * GiB, total_bytes=80 * GiB)
 

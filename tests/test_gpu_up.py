@@ -6,7 +6,6 @@ reported, not restarted forever."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,21 +14,18 @@ import httpx
 import pytest
 import redis
 from support.servers import fake_gpu_env, wait_for
-from support.up import Up
+from support.up import Up, up_env
 
 from dispatcher import keys
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
+    environment = up_env(
+        tmp_path, task_modules=json.dumps(["worker.tasks.builtin", "gl_test_tasks"])
+    )
     environment.update(fake_gpu_env(2, switches=tmp_path / "switches"))
     (tmp_path / "switches").mkdir()
-    environment["XDG_DATA_HOME"] = str(tmp_path)
-    environment["GPULANE_HEARTBEAT_INTERVAL_S"] = "0.2"
-    environment["GPULANE_LEASE_TTL_S"] = "1"
-    environment["GPULANE_SHUTDOWN_GRACE_S"] = "5"
-    environment["GPULANE_TASK_MODULES"] = json.dumps(["worker.tasks.builtin", "gl_test_tasks"])
     yield environment
 
 

@@ -17,14 +17,15 @@ from conftest import WorkerFactory, make_settings, submit, wait_status
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
-from support.observe import Scrape, fake_gpu_worker, promtool_check, publish_catalog, scrape
+from support.catalog import tenant
+from support.observe import Scrape, fake_gpu_worker, promtool_check, scrape
 from support.servers import ApiServer, wait_for
 
 from dispatcher import keys
 from dispatcher.exporter import Histogram, parse
 from dispatcher.metrics import BUCKETS, Recorder
 from dispatcher.reaper import Reaped, record_reaped
-from dispatcher.settings import ClassConfig, Settings, TenantConfig
+from dispatcher.settings import ClassConfig, Settings
 from dispatcher.stats import LatencyWindow, quantile
 
 COUNTERS = {
@@ -81,12 +82,6 @@ def limited(redis_url: str) -> Settings:
             "batch": ClassConfig(max_queued=1, max_wait_s=3600),
         },
     )
-
-
-@pytest.fixture
-def known_types(r: redis.Redis) -> None:
-    """Task types known with no worker; requested before `api`, which reads them at start."""
-    publish_catalog(r)
 
 
 def _seed_every_series(r: redis.Redis) -> None:
@@ -271,14 +266,8 @@ def test_openmetrics_when_asked(http: httpx.Client) -> None:
 def test_metrics_needs_an_admin_key_when_keys_are_set(
     redis_url: str, api_factory: Callable[[Settings], ApiServer]
 ) -> None:
-    import hashlib
-
-    def tenant(name: str, key: str, admin: bool) -> TenantConfig:
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        return TenantConfig(name=name, key_sha256=[digest], admin=admin)
-
     settings = make_settings(
-        redis_url, tenants=[tenant("ops", "ops-key", True), tenant("acme", "acme-key", False)]
+        redis_url, tenants=[tenant("ops", "ops-key", admin=True), tenant("acme", "acme-key")]
     )
     api = api_factory(settings)
     with httpx.Client(base_url=api.url, timeout=10) as http:

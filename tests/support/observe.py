@@ -115,14 +115,6 @@ def fake_gpu_worker(
     client.zadd(keys.WORKERS, {name: now_ms + 3_600_000})
 
 
-def publish_catalog(client: redis.Redis) -> None:
-    """Make the built-in and test task types known with no worker running (admission
-    refuses unknown types before it looks at workers)."""
-    from support.catalog import publish_builtin_catalog
-
-    publish_builtin_catalog(client)
-
-
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """Every complete line of a log file, each parsed as JSON (a torn last line that
     is still being written is left out; anything else that is not JSON fails)."""

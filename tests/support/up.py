@@ -44,3 +44,14 @@ class Up:
             return self.process.wait(60)
         finally:
             self._out.close()
+
+
+def up_env(data_home: Path, **settings: object) -> dict[str, str]:
+    """The environment of a `gpulane up` under test: no GPULANE_* settings inherited, its
+    default data dir under ``data_home``, fast leases, and ``settings`` as GPULANE_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
+    env["XDG_DATA_HOME"] = str(data_home)  # default data dir: data_home/gpulane
+    defaults = {"heartbeat_interval_s": 0.2, "lease_ttl_s": 1, "shutdown_grace_s": 5}
+    for key, value in {**defaults, **settings}.items():
+        env[f"GPULANE_{key.upper()}"] = str(value)
+    return env
