@@ -23,9 +23,9 @@ from typing import Any
 
 from bench.floor_app import fastapi_app
 from bench.harness import OPEN_CLASS
-from dispatcher import store as store_mod
-from dispatcher.app import create_app
-from dispatcher.settings import ClassConfig, Settings
+from dispatcher.api import store as store_mod
+from dispatcher.api.app import create_app
+from dispatcher.contract.settings import ClassConfig, Settings
 
 App = Callable[..., Awaitable[None]]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from dispatcher.scripts import NAMES, source
+from dispatcher.contract.scripts import NAMES, source
 
 IGNORED = {
     "info",

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
 from bench.harness import UNLIMITED
-from dispatcher.jobs import encode_call
-from dispatcher.scripts import AsyncScripts
-from dispatcher.settings import Settings
-from dispatcher.store import Submission, submit_options
+from dispatcher.api.coalesce import AsyncScripts
+from dispatcher.api.store import Submission, submit_options
+from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.settings import Settings
 
 HEADERS = {"Gpulane-Queue-Depth": "1", "Gpulane-Estimated-Wait": "-1", "Gpulane-Pressure": "ok"}
 

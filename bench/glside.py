@@ -17,11 +17,11 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from bench.harness import UNLIMITED
-from dispatcher import keys
-from dispatcher.jobs import FINAL_STATUSES, encode_call
-from dispatcher.scripts import SyncScripts, source
-from dispatcher.settings import Settings
-from dispatcher.store import Submission, submit_options
+from dispatcher.api.store import Submission, submit_options
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import FINAL_STATUSES, encode_call
+from dispatcher.contract.scripts import SyncScripts, source
+from dispatcher.contract.settings import Settings
 
 RECORD = ("created_ms", "started_ms", "ended_ms", "worker_name", "status")
 

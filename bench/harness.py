@@ -16,20 +16,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import redis
 
-from dispatcher import keys
-from dispatcher.settings import ClassConfig
+from dispatcher.contract import keys
+from dispatcher.contract.settings import ClassConfig
+from testkit import free_port, redis_argv, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_TASKS = "bench.gl_tasks"  # gpulane task module loaded by the bench workers
@@ -40,40 +38,8 @@ OPEN_CLASS = {"max_queued": 10_000_000, "max_wait_s": 1e9, "reject_without_worke
 UNLIMITED = ClassConfig(**OPEN_CLASS)
 
 
-def publish_catalog(client: redis.Redis) -> None:
-    """Publish the built-in task types, as a worker does when it registers."""
-    import worker.tasks.builtin  # noqa: F401 - registers the built-ins
-    from worker.registry import REGISTRY
-
-    for name, entry in REGISTRY.catalog().items():
-        client.hset(keys.CATALOG, name, json.dumps(entry))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for(
-    check: Callable[[], Any],
-    timeout_s: float = 20.0,
-    what: str = "condition",
-    every_s: float = 0.01,
-) -> Any:
-    """Poll ``check`` every ``every_s`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def classes_json(names: list[str]) -> str:
     """``GPULANE_CLASSES`` value: these classes, in this priority order, never refusing."""
-    import json
 
     return json.dumps({name: OPEN_CLASS for name in names})
 
@@ -159,19 +125,7 @@ class Stack:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (scripts/ensure-redis.sh)")
-        args = {
-            "port": str(self.port),
-            "bind": "127.0.0.1",
-            "dir": str(self.logdir),
-            "appendonly": "yes",
-            "appendfsync": "everysec",
-            "save": "",
-            "maxmemory-policy": "noeviction",
-            **self._redis_args,
-        }
-        argv = [binary]
-        for key, value in args.items():
-            argv += [f"--{key}", value]
+        argv = redis_argv(binary, self.port, self.logdir, **self._redis_args)
         self.procs.append(Proc("redis", argv, dict(os.environ), self.logdir))
         client = self.client()
         wait_for(lambda: _pings(client), 10, "redis-server")
@@ -201,7 +155,16 @@ class Stack:
     ) -> Proc:
         """``gpulane worker`` (CPU device, built-ins plus the bench tasks) serving the
         classes ``serve`` (default: all); ``settings`` become ``GPULANE_*`` variables."""
-        argv = [sys.executable, "-m", "dispatcher.cli", "worker", "--gpu", "none", "--name", name]
+        argv = [
+            sys.executable,
+            "-m",
+            "dispatcher.ops.cli",
+            "worker",
+            "--gpu",
+            "none",
+            "--name",
+            name,
+        ]
         argv += ["--tasks", tasks]
         if serve:
             argv += ["--classes", ",".join(serve)]
@@ -243,7 +206,7 @@ class Stack:
         """``gpulane api`` (uvicorn, one process) on a free port; returns (proc, base URL)."""
         port = free_port()
         env = self.env(port=port, classes=classes_json(classes), **settings)
-        argv = [sys.executable, "-m", "dispatcher.cli", "api"]
+        argv = [sys.executable, "-m", "dispatcher.ops.cli", "api"]
         proc = self.spawn("api", argv, env)
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _http_ok(proc, f"{url}/health"), 30, "the API")

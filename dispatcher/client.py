@@ -26,6 +26,8 @@ from typing import IO, Any
 
 import httpx
 
+from dispatcher.contract.jobs import FINAL
+
 __all__ = [
     "FINAL",
     "AsyncClient",
@@ -36,7 +38,6 @@ __all__ = [
     "Unauthorized",
 ]
 
-FINAL = frozenset({"succeeded", "failed", "canceled"})
 FileArg = str | Path | bytes | IO[bytes]
 
 
@@ -328,12 +329,26 @@ class AsyncClient(_Base):
     async def cancel(self, task_id: str) -> dict[str, Any]:
         return await self._send(_Request("DELETE", f"/tasks/{task_id}"))
 
+    async def queues(self) -> dict[str, Any]:
+        return await self._send(_Request("GET", "/queues"))
+
+    async def workers(self) -> dict[str, Any]:
+        return await self._send(_Request("GET", "/workers"))
+
     async def wait(
-        self, task_id: str, *, timeout_s: float | None = None, poll_s: float = 0.5
+        self,
+        task_id: str,
+        *,
+        timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
+        """Poll until the task is final; ``on_update`` sees every record read."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             record = await self.get(task_id)
+            if on_update:
+                on_update(record)
             if record["status"] in FINAL:
                 return record
             if deadline is not None and time.monotonic() > deadline:

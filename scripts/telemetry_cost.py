@@ -3,9 +3,9 @@
     .venv/bin/python scripts/telemetry_cost.py            # the fake pynvml, 4 cards
     .venv/bin/python scripts/telemetry_cost.py --real     # this host's NVML (a GPU host)
 
-Prints the cost of ``worker.devices.telemetry`` per sample, the cost of each NVML call
+Prints the cost of ``worker.gpu.devices.telemetry`` per sample, the cost of each NVML call
 it makes, and the time a CPU-bound loop (standing in for a task) takes with and
-without a :class:`worker.sampler.DeviceWatch` sampling beside it (at 100 Hz, a hundred
+without a :class:`worker.gpu.sampler.DeviceWatch` sampling beside it (at 100 Hz, a hundred
 times the default heartbeat rate, so any slowdown would show).
 """
 
@@ -50,8 +50,8 @@ def main() -> int:
 
     import pynvml
 
-    from worker.devices import discover, telemetry
-    from worker.sampler import DeviceWatch
+    from worker.gpu.devices import discover, telemetry
+    from worker.gpu.sampler import DeviceWatch
 
     found = discover()
     if not found:

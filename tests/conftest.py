@@ -17,7 +17,10 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # bench/, for its smoke test
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from support.catalog import publish_builtin_catalog
-from support.servers import (
+
+from dispatcher.contract import keys
+from dispatcher.contract.settings import Settings
+from testkit import (
     TEST_TASKS,
     ApiServer,
     RedisServer,
@@ -25,9 +28,6 @@ from support.servers import (
     wait_for,
     worker_env,
 )
-
-from dispatcher import keys
-from dispatcher.settings import Settings
 
 # Fast liveness for tests; the defaults (1 s / 3 s) are for production.
 FAST = {"heartbeat_interval_s": 0.2, "lease_ttl_s": 1.0}

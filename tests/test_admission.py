@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.admission import NO_WORKERS_RETRY_S, estimate_s, pressure, retry_after_s
-from dispatcher.settings import ClassConfig
+from dispatcher.api.admission import NO_WORKERS_RETRY_S, estimate_s, pressure, retry_after_s
+from dispatcher.contract.settings import ClassConfig
 
 CFG = ClassConfig(max_queued=100, max_wait_s=60)
 

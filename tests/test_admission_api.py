@@ -8,18 +8,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from conftest import WorkerFactory, make_settings, submit, wait_status
+from conftest import WorkerFactory, make_settings, submit
 from support.catalog import publish_builtin_catalog, tenant
-from support.servers import ApiServer, wait_for
 
-from dispatcher import keys
 from dispatcher.client import Client, Overloaded
-from dispatcher.settings import ClassConfig, TenantConfig
+from dispatcher.contract import keys
+from dispatcher.contract.settings import ClassConfig, TenantConfig
+from testkit import ApiServer, wait_for
 
 KEYS = {"acme": "acme-secret-key", "globex": "globex-secret-key", "ops": "ops-admin-key"}
 
@@ -195,22 +196,27 @@ def test_open_mode_warns(
 
 
 def test_batch_ages_past_newer_interactive(
-    api_with: Callable[..., httpx.Client], start_worker: WorkerFactory
+    api_with: Callable[..., httpx.Client], start_worker: WorkerFactory, tmp_path: Path
 ) -> None:
     aging = {"interactive": ClassConfig(), "batch": ClassConfig(promote_after_s=0.3)}
     http = api_with(classes=aging)  # interactive queues without workers here
-    old_batch = submit(http, "echo", cls="batch")
+    order = tmp_path / "order"
+
+    def record(tag: str, cls: str) -> dict[str, Any]:
+        return submit(http, "test.record", {"path": str(order), "tag": tag}, cls=cls)
+
+    record("batch", "batch")
     wait_for(
         lambda: (http.get("/queues").json()["classes"][1]["oldest_wait_s"] or 0) > 0.3,
         10,
         what="the batch task to wait past its promotion age",
     )
-    newer = [submit(http, "echo", cls="interactive") for _ in range(2)]
+    record("i0", "interactive")
+    record("i1", "interactive")
     # Aging is applied by the worker's claim: it needs the same class settings.
     start_worker(env={"GPULANE_CLASSES": '{"interactive": {}, "batch": {"promote_after_s": 0.3}}'})
-    b = wait_status(http, old_batch["id"], {"succeeded"})["started_at"]
-    i = [wait_status(http, t["id"], {"succeeded"})["started_at"] for t in newer]
-    assert b < min(i)
+    wait_for(lambda: order.exists() and len(order.read_text().split()) == 3, 15, what="3 runs")
+    assert order.read_text().split() == ["batch", "i0", "i1"]
 
 
 class Recording(httpx.HTTPTransport):

@@ -10,8 +10,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from support.pdf import make_pdf
 
-from dispatcher import keys
-from dispatcher.jobs import ENTRY_POINT
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import ENTRY_POINT
 
 RECORD_FIELDS = {
     "id",
@@ -66,7 +66,7 @@ def test_sleep_reports_progress(http: httpx.Client, start_worker: WorkerFactory)
         record = http.get(f"/tasks/{task['id']}").json()
         return record if record["progress"] and record["progress"]["fraction"] > 0 else None
 
-    from support.servers import wait_for
+    from testkit import wait_for
 
     record = wait_for(progressed, 5, what="progress")
     assert 0 < record["progress"]["fraction"] <= 1 and "slept" in record["progress"]["message"]
@@ -172,7 +172,7 @@ def test_health_counts_workers(http: httpx.Client, start_worker: WorkerFactory) 
         "serving": 0,
     }
     start_worker()
-    from support.servers import wait_for
+    from testkit import wait_for
 
     wait_for(lambda: http.get("/health").json()["workers"] == 1, 5, what="health to see the worker")
 

@@ -11,7 +11,8 @@ import redis
 from conftest import make_settings
 from support.catalog import publish_builtin_catalog
 from support.pdf import make_pdf
-from support.servers import ApiServer, RedisServer, wait_for
+
+from testkit import ApiServer, RedisServer, wait_for
 
 BACKPRESSURE = ("gpulane-queue-depth", "gpulane-estimated-wait", "gpulane-pressure")
 

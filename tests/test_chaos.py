@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from support.servers import RedisServer, wait_for
 from support.up import Up, up_env
 
-from dispatcher import keys
-from dispatcher.jobs import FINAL_STATUSES
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import FINAL_STATUSES
+from testkit import RedisServer, wait_for
 
 TASKS = 300
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 from support.pdf import make_pdf
-from support.servers import REPO, wait_for
 from support.up import Up, up_env
+
+from testkit import REPO, wait_for
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_submit_wait_and_status(env: dict[str, str], tmp_path: Path) -> None:
     up = Up(env, "--workers", "1")
     try:
         up.url()
-        cli = [sys.executable, "-m", "dispatcher.cli"]
+        cli = [sys.executable, "-m", "dispatcher.ops.cli"]
         # No --url: the command finds the running `gpulane up` through its data dir.
         done = subprocess.run(
             [
@@ -127,7 +128,7 @@ def test_explicit_busy_data_dir_is_refused(env: dict[str, str], tmp_path: Path) 
     try:
         first.url()
         second = subprocess.run(
-            [sys.executable, "-m", "dispatcher.cli", "up", "--data-dir", str(data)],
+            [sys.executable, "-m", "dispatcher.ops.cli", "up", "--data-dir", str(data)],
             env=env,
             cwd=REPO,
             capture_output=True,

@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from dispatcher.coalesce import Coalescer
+from dispatcher.api.coalesce import Coalescer
 
 ECHO = "return ARGV[1]"
 

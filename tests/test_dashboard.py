@@ -18,9 +18,9 @@ from conftest import WorkerFactory, make_settings, submit, wait_status
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 from support.catalog import tenant
 from support.observe import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, fake_gpu_worker
-from support.servers import REPO, ApiServer, wait_for
 
-from dispatcher.settings import ClassConfig, Settings
+from dispatcher.contract.settings import ClassConfig, Settings
+from testkit import REPO, ApiServer, wait_for
 
 GiB = 2**30
 NO_VALUE = "\u2013"  # the en dash the page shows for a value it does not have

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from dispatcher.jobs import encode_call
+from dispatcher.contract.jobs import encode_call
 from worker.broker import Claimed
 from worker.execute import Interrupts, Runner
 from worker.registry import Registry, TaskCanceled

@@ -10,10 +10,10 @@ import httpx
 import redis
 from conftest import WorkerFactory, submit, wait_status
 from support.observe import scrape
-from support.servers import WorkerProcess, fake_gpu_env, wait_for
 
-from dispatcher import keys
-from dispatcher.exits import EXIT_NO_GPU, EXIT_UNHEALTHY
+from dispatcher.contract import keys
+from dispatcher.contract.exits import EXIT_NO_GPU, EXIT_UNHEALTHY
+from testkit import WorkerProcess, fake_gpu_env, wait_for
 
 GPU = ["--gpu", "auto"]
 

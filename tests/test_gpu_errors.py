@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from worker.health import classify, describe, free_cached_memory
+from worker.gpu.health import classify, describe, free_cached_memory
 from worker.registry import TaskFailure
 
 

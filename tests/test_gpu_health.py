@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import redis
 from conftest import WorkerFactory, submit, wait_status
-from support.servers import fake_gpu_env, wait_for
 
-from dispatcher import keys
-from dispatcher.exits import EXIT_UNHEALTHY
+from dispatcher.contract import keys
+from dispatcher.contract.exits import EXIT_UNHEALTHY
+from testkit import fake_gpu_env, wait_for
 
 GPU = ["--gpu", "auto"]
 LONG_LEASE = {"lease_ttl_s": 3.0}  # an unhealthy worker stays listed for one lease

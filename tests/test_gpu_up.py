@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from support.servers import fake_gpu_env, wait_for
 from support.up import Up, up_env
 
-from dispatcher import keys
+from dispatcher.contract import keys
+from testkit import fake_gpu_env, wait_for
 
 
 @pytest.fixture

@@ -8,7 +8,14 @@ import zlib
 
 import pytest
 
-from dispatcher.jobs import ENTRY_POINT, CallRefused, FileMeta, decode_call, encode_call, iso_ms
+from dispatcher.contract.jobs import (
+    ENTRY_POINT,
+    CallRefused,
+    FileMeta,
+    decode_call,
+    encode_call,
+    iso_ms,
+)
 
 
 def test_round_trip() -> None:

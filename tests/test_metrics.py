@@ -1,4 +1,4 @@
-"""GET /metrics over real HTTP with real workers: DESIGN.md's names, Prometheus' own
+"""GET /metrics over real HTTP with real workers: docs/design.md's names, Prometheus' own
 parser and promtool, counters and histograms that follow real tasks, pool gauges.
 
 Workers and the API flush their counts every heartbeat (0.2 s here), so every check
@@ -19,14 +19,14 @@ from prometheus_client.openmetrics.parser import (
 )
 from support.catalog import tenant
 from support.observe import Scrape, fake_gpu_worker, promtool_check, scrape
-from support.servers import ApiServer, wait_for
 
-from dispatcher import keys
-from dispatcher.exporter import Histogram, parse
-from dispatcher.metrics import BUCKETS, Recorder
-from dispatcher.reaper import Reaped, record_reaped
-from dispatcher.settings import ClassConfig, Settings
-from dispatcher.stats import LatencyWindow, quantile
+from dispatcher.api.exporter import Histogram, parse
+from dispatcher.api.stats import LatencyWindow, quantile
+from dispatcher.contract import keys
+from dispatcher.contract.metrics import BUCKETS, Recorder
+from dispatcher.contract.reaper import Reaped, record_reaped
+from dispatcher.contract.settings import ClassConfig, Settings
+from testkit import ApiServer, wait_for
 
 COUNTERS = {
     "gpulane_tasks_submitted": ("class", "type"),

@@ -10,9 +10,9 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
-from support.servers import ApiServer, RedisServer, wait_for
 
-from dispatcher import keys
+from dispatcher.contract import keys
+from testkit import ApiServer, RedisServer, wait_for
 
 
 def test_sigkill_mid_task_another_worker_completes_it(

@@ -7,12 +7,12 @@ import json
 
 import redis
 
-from dispatcher import keys
-from dispatcher.jobs import encode_call
-from dispatcher.reaper import lease_options, parse_reaped, reap_options
-from dispatcher.scripts import SyncScripts, options
-from dispatcher.settings import Settings
-from dispatcher.store import Submission, submit_options
+from dispatcher.api.store import Submission, submit_options
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.reaper import lease_options, parse_reaped, reap_options
+from dispatcher.contract.scripts import SyncScripts, options
+from dispatcher.contract.settings import Settings
 
 SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
 CLASSES = SETTINGS.class_names

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.settings import Settings, SettingsError, load_settings
+from dispatcher.contract.settings import Settings, SettingsError, load_settings
 
 DIGEST = "a" * 64
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 from conftest import WorkerFactory, submit, wait_status
 from support.observe import json_lines
-from support.servers import REPO, ApiServer, free_port, wait_for
+
+from testkit import REPO, ApiServer, free_port, wait_for
 
 GPULANE = str(Path(sys.executable).parent / "gpulane")  # the installed console script
 

@@ -12,15 +12,15 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from support.catalog import publish_builtin_catalog
-from support.servers import ApiServer, wait_for
 
-from dispatcher import keys
-from dispatcher.jobs import ENTRY_POINT
-from dispatcher.settings import ClassConfig
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import ENTRY_POINT
+from dispatcher.contract.settings import ClassConfig
+from testkit import ApiServer, wait_for
 
 
-def _started(http: httpx.Client, task_id: str) -> str:
-    return str(wait_status(http, task_id, {"succeeded"})["started_at"])
+def _ran(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
 
 
 def test_interactive_runs_before_queued_batch(
@@ -28,19 +28,22 @@ def test_interactive_runs_before_queued_batch(
     r: redis.Redis,
     api_factory: Callable[..., ApiServer],
     start_worker: WorkerFactory,
+    tmp_path: Path,
 ) -> None:
-    # Both classes queue while no worker runs; then one worker starts and drains them.
+    # Both classes queue while no worker runs; then one worker starts and drains them,
+    # each task appending its tag to one file: the order they really ran in.
     publish_builtin_catalog(r)
     open_classes = {"interactive": ClassConfig(), "batch": ClassConfig()}
     api = api_factory(make_settings(redis_url, classes=open_classes))
+    order = tmp_path / "order"
     with httpx.Client(base_url=api.url, timeout=10) as http:
-        batch = [submit(http, "echo", {"n": i}, cls="batch") for i in range(3)]
-        interactive = [submit(http, "echo", {"n": i}, cls="interactive") for i in range(3)]
+        for cls, prefix in (("batch", "b"), ("interactive", "i")):
+            for n in range(3):
+                submit(http, "test.record", {"path": str(order), "tag": f"{prefix}{n}"}, cls=cls)
         start_worker()
-        starts_i = [_started(http, t["id"]) for t in interactive]
-        starts_b = [_started(http, t["id"]) for t in batch]
-    assert max(starts_i) < min(starts_b), (starts_i, starts_b)
-    assert starts_i == sorted(starts_i) and starts_b == sorted(starts_b)  # FIFO within a class
+        wait_for(lambda: len(_ran(order)) == 6, 15, what="all six tasks to run")
+    # Interactive first, FIFO within each class.
+    assert _ran(order) == ["i0", "i1", "i2", "b0", "b1", "b2"]
 
 
 def test_interactive_only_worker_never_takes_batch(

@@ -12,11 +12,12 @@ from typing import Any
 
 from redis import Redis
 
-from dispatcher import keys
-from dispatcher.metrics import Drained
-from dispatcher.reaper import Reaped, lease_options, parse_reaped, reap_options
-from dispatcher.scripts import SyncScripts, options
-from dispatcher.settings import Settings
+from dispatcher.contract import keys
+from dispatcher.contract.metrics import Drained
+from dispatcher.contract.reaper import Reaped, lease_options, parse_reaped, reap_options
+from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
+from dispatcher.contract.scripts import verdict as script_verdict
+from dispatcher.contract.settings import Settings
 
 __all__ = ["Broker", "Claimed"]
 
@@ -110,7 +111,7 @@ class Broker:
         result_json: str = "",
         error: dict[str, Any] | None = None,
         progress: dict[str, Any] | None = None,
-    ) -> tuple[str, int | None]:
+    ) -> tuple[FinishVerdict, int | None]:
         """Record the outcome; returns ('ok', ended_ms), ('duplicate', None) or ('gone', None)."""
         opts = options(
             id=task.task_id,
@@ -122,12 +123,12 @@ class Broker:
             ttl_s=self.settings.result_ttl_s,
         )
         reply = self._scripts.run("finish", opts, result_json)
-        verdict = _text(reply[0])
+        verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
         return verdict, int(reply[1]) if verdict == "ok" else None
 
     def release(
         self, task: Claimed, at_head: bool = True, fault: dict[str, Any] | None = None
-    ) -> str:
+    ) -> ReleaseVerdict:
         """Give the task back (head: shutdown; tail: retry) without counting a loss; with
         a ``fault`` ({code, message}) as a lost attempt, which may fail the task."""
         opts = options(
@@ -137,7 +138,10 @@ class Broker:
             **({"fault": fault} if fault else {}),
             **{"class": task.cls},
         )
-        return _text(self._scripts.run("release", opts))
+        released: ReleaseVerdict = script_verdict(
+            self._scripts.run("release", opts), ReleaseVerdict
+        )
+        return released
 
     # GPU claims (gpu_lease.lua): slots are (uuid, slot number) pairs.
 

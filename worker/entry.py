@@ -1,4 +1,4 @@
-"""The one function every gpulane job calls (:data:`dispatcher.jobs.ENTRY_POINT`).
+"""The one function every gpulane job calls (:data:`dispatcher.contract.jobs.ENTRY_POINT`).
 
 Jobs never name the code to run: they call ``worker.entry.run`` with a task type, and
 :func:`run` runs only types in the worker's registry (invariant 3).

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from dispatcher.jobs import CallRefused, decode_call
+from dispatcher.contract.jobs import CallRefused, decode_call
 from worker import entry
 from worker.broker import Claimed
-from worker.health import classify, describe, free_cached_memory
+from worker.gpu.health import classify, describe, free_cached_memory
 from worker.registry import (
     Registry,
     TaskCanceled,

@@ -1,6 +1,6 @@
 """The worker's second thread: lease renewal (the worker's and its GPU claim's),
-device telemetry and health, metrics flush, cancel delivery, the reaper, and a
-watchdog for tasks that neither finish nor stop.
+device telemetry and health, metrics flush, cancel delivery and the reaper; after
+every beat it runs the :mod:`worker.watchdog` for tasks that neither finish nor stop.
 
 It never touches the task itself except through :class:`worker.execute.Interrupts`,
 and it keeps beating while a handler runs, so a busy worker is never taken for dead
@@ -10,21 +10,20 @@ and it keeps beating while a handler runs, so a busy worker is never taken for d
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 from redis.exceptions import RedisError
 
-from dispatcher.backoff import Backoff
-from dispatcher.exits import EXIT_STUCK, EXIT_UNHEALTHY
-from dispatcher.metrics import Recorder
-from dispatcher.reaper import Reaped, record_reaped
-from dispatcher.settings import Settings
-from worker.broker import Broker, Claimed
-from worker.execute import GpuFault, Interrupts, Runner, TaskHandback
-from worker.sampler import DeviceWatch
+from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.metrics import Recorder
+from dispatcher.contract.reaper import record_reaped
+from dispatcher.contract.settings import Settings
+from worker.broker import Broker
+from worker.execute import GpuFault, Interrupts, Runner
+from worker.gpu.sampler import DeviceWatch
 from worker.state import WorkerState
+from worker.watchdog import Watchdog
 
 __all__ = ["Heartbeat"]
 
@@ -51,9 +50,8 @@ class Heartbeat:
         self.settings = settings
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self._handback_sent = False
         self._outage_since: float | None = None
-        self._fault_sent_at: float | None = None  # monotonic: GpuFault requested
+        self.watchdog = Watchdog(broker, state, recorder, runner, interrupts, settings, self.beat)
         # Set by the main thread once it has a device: the NVML sampler, and the GPU
         # claim slot (uuid, slot) renewed with every beat.
         self.watch: DeviceWatch | None = None
@@ -90,7 +88,7 @@ class Heartbeat:
                     self._outage_since = None
                 backoff.reset()
                 delay = self.settings.heartbeat_interval_s
-            self.watchdog()
+            self.watchdog.check()
 
     def _note_outage(self, exc: RedisError) -> None:
         if self._outage_since is None:
@@ -147,81 +145,5 @@ class Heartbeat:
         )
         current = self.runner.current
         if device_failed and current is not None:
-            self._fault_sent_at = time.monotonic()
+            self.watchdog.device_fault_sent()
             self.interrupts.request(GpuFault, current, reason)
-
-    def watchdog(self) -> None:
-        current = self.runner.current
-        if current is None:
-            return
-        claimed = current.claimed
-        stop_at = self.state.stop_requested_at
-        if (
-            stop_at is not None
-            and not self._handback_sent
-            and time.monotonic() - stop_at > self.settings.shutdown_grace_s
-        ):
-            self._handback_sent = True
-            log.warning(
-                "shutdown grace over; handing the task back", extra={"task": claimed.task_id}
-            )
-            self.interrupts.request(TaskHandback, current)
-        fault_at = self._fault_sent_at
-        if fault_at is not None and time.monotonic() - fault_at > self.settings.timeout_grace_s:
-            self._abandon_device(current.claimed)
-        overdue_s = time.monotonic() - current.started_mono - claimed.timeout_s
-        if overdue_s > self.settings.timeout_grace_s:
-            self._give_up(claimed.task_id, overdue_s)
-
-    def _abandon_device(self, claimed: Claimed) -> None:
-        """The handler did not return after its device failed (blocked in the driver):
-        hand its task back as a lost attempt from here and end the process."""
-        log.error(
-            "task did not stop after its device failed; handing it back and exiting",
-            extra={"worker": self.state.name, "task": claimed.task_id},
-        )
-        fault = {"code": "gpu_fault", "message": self.state.reason}
-        try:
-            verdict = self.broker.release(claimed, at_head=True, fault=fault)
-            done = [Reaped(claimed.task_id, claimed.cls, self._type(), verdict)]
-            record_reaped(done, self.recorder, "task handed back after a GPU fault", "gpu_fault")
-        except RedisError:
-            log.exception("could not hand the task back; its lease will")
-        self._exit(EXIT_UNHEALTHY)
-
-    def _give_up(self, task_id: str, overdue_s: float) -> None:
-        """The handler ignored its timeout (stuck in native code): report the task as
-        timed out and end the process; the supervisor starts a fresh one."""
-        current = self.runner.current
-        if current is None:
-            return
-        log.error(
-            "task ignored its timeout for %.0f s; restarting the worker",
-            overdue_s,
-            extra={"worker": self.state.name, "task": task_id},
-        )
-        error = {
-            "code": "timeout",
-            "message": f"Ran past its timeout of {current.claimed.timeout_s:g} s and did not "
-            "stop; its worker was restarted.",
-        }
-        try:
-            verdict, _ = self.broker.finish(current.claimed, "failed", error=error)
-            if verdict == "ok":
-                self.recorder.count("finished", current.claimed.cls, self._type(), "failed")
-        except RedisError:
-            log.exception("could not report the stuck task; its lease will hand it back")
-        self._exit(EXIT_STUCK)
-
-    def _type(self) -> str:
-        current = self.runner.current
-        return current.task_type if current is not None else "-"
-
-    def _exit(self, status: int) -> None:
-        """End the process from this thread (the main one is stuck): flush the metrics
-        first, since nothing else will."""
-        try:
-            self.beat()
-        except RedisError:
-            log.warning("exiting without flushing the last metrics (redis unreachable)")
-        os._exit(status)

@@ -14,13 +14,13 @@ import time
 
 from redis.exceptions import RedisError, ResponseError
 
-from dispatcher.backoff import Backoff
-from dispatcher.jobs import PUBLIC_STATUS
-from dispatcher.metrics import Recorder
-from dispatcher.reaper import Reaped, record_reaped
-from dispatcher.settings import Settings
+from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.jobs import PUBLIC_STATUS
+from dispatcher.contract.metrics import Recorder
+from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner, RunningTask
+from worker.handback import hand_back
 from worker.state import WorkerState
 
 __all__ = ["WorkerLoop"]
@@ -166,16 +166,22 @@ class WorkerLoop:
         """Give the task back: at the head (shutdown), at the tail (a retry), or after a
         GPU fault as a lost attempt (it may be the task's doing, so it must not get more
         tries than a task that kills its worker)."""
+        task_type = ctx.task_type if ctx else "-"
         if outcome.status == "lost":
-            verdict = self.broker.release(claimed, at_head=True, fault=outcome.error)
-            why, reason = "task handed back after a GPU fault", "gpu_fault"
+            why = "task handed back after a GPU fault"
+            hand_back(
+                self.broker,
+                self.recorder,
+                claimed,
+                task_type,
+                at_head=True,
+                fault=outcome.error,
+                why=why,
+            )
         else:
-            verdict = self.broker.release(claimed, at_head=outcome.status == "release")
-            why, reason = f"task given back ({outcome.status})", "worker_lost"
-        if verdict != "released":
-            task_type = ctx.task_type if ctx else "-"
-            done = [Reaped(claimed.task_id, claimed.cls, task_type, verdict)]
-            record_reaped(done, self.recorder, why, reason)
+            why = f"task given back ({outcome.status})"
+            at_head = outcome.status == "release"
+            hand_back(self.broker, self.recorder, claimed, task_type, at_head=at_head, why=why)
 
     def _abandon(self, exc: RedisError) -> bool:
         """Wait before retrying a report; give up only when stopping past the grace

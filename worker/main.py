@@ -22,19 +22,19 @@ from types import FrameType
 from redis import Redis
 from redis.exceptions import RedisError
 
-from dispatcher.backoff import Backoff
-from dispatcher.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
-from dispatcher.metrics import Recorder
-from dispatcher.reaper import record_reaped
-from dispatcher.settings import Settings
+from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
+from dispatcher.contract.metrics import Recorder
+from dispatcher.contract.reaper import record_reaped
+from dispatcher.contract.settings import Settings
 from worker.broker import Broker
-from worker.claim import claim_device
-from worker.devices import Device, DeviceError, discover, pin, select
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback
+from worker.gpu.claim import claim_device
+from worker.gpu.devices import Device, DeviceError, discover, pin, select
+from worker.gpu.sampler import DeviceWatch
 from worker.heartbeat import Heartbeat
 from worker.loop import WorkerLoop
 from worker.registry import REGISTRY, load_task_modules
-from worker.sampler import DeviceWatch
 from worker.state import WorkerState
 
 __all__ = ["run_worker"]

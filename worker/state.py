@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from dispatcher.pool import WorkerStatus
-from worker.devices import Device
+from dispatcher.contract.workers import WorkerStatus
+from worker.gpu.devices import Device
 
 __all__ = ["State", "WorkerState"]
 

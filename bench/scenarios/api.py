@@ -28,8 +28,9 @@ import httpx
 import uvloop
 
 from bench import asgi_costs, loadgen
-from bench.harness import Proc, Stack, classes_json, free_port, publish_catalog, rss_mb, wait_for
+from bench.harness import Proc, Stack, classes_json, rss_mb
 from bench.report import Report, Table, Target, figure, pct, save
+from testkit import free_port, publish_catalog, wait_for
 
 CLASSES = ["interactive", "batch"]
 BODY = {"type": "sleep", "class": "batch", "args": {"seconds": 1}}

@@ -30,9 +30,10 @@ import redis
 
 from bench import trace as tr
 from bench.glside import Submitter, gl_done, records
-from bench.harness import Stack, classes_json, wait_for
+from bench.harness import Stack, classes_json
 from bench.report import Report, Table, Target, figure, save
-from dispatcher import keys
+from dispatcher.contract import keys
+from testkit import wait_for
 
 SYSTEMS = ("pull", "rr", "lc")
 LABELS = {
@@ -157,7 +158,7 @@ def replay_all(systems: list[System], trace: tr.Trace) -> dict[str, list[tr.Task
 
 
 def _wait_done(system: System, ids: list[str], limit_s: float) -> None:
-    wait_for(lambda: gl_done(system.client, ids), limit_s, "the trace", every_s=0.1)
+    wait_for(lambda: gl_done(system.client, ids), limit_s, "the trace", interval_s=0.1)
 
 
 def measure(size: Size) -> dict[float, dict[str, Any]]:

@@ -16,9 +16,10 @@ from typing import Any
 
 from bench import loadgen
 from bench.glside import Submitter, gl_done
-from bench.harness import Stack, publish_catalog, rss_mb, wait_for
+from bench.harness import Stack, rss_mb
 from bench.report import Report, Table, Target, figure, save
 from bench.scenarios.api import BODY, CLASSES
+from testkit import publish_catalog, wait_for
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def measure(size: Size) -> dict[str, dict[str, float]]:
         out["plain RQ SimpleWorker, idle after start"] = rss_mb(rq.pid)
         client = stack.client()
         ids = Submitter(client, CLASSES).fill(size.tasks, "echo", {"x": 1}, "batch")
-        wait_for(lambda: gl_done(client, ids), 60, "the echo tasks", every_s=0.05)
+        wait_for(lambda: gl_done(client, ids), 60, "the echo tasks", interval_s=0.05)
         time.sleep(size.settle_s)
         out[f"gpulane worker, idle after {size.tasks} tasks"] = rss_mb(worker.pid)
         publish_catalog(client)

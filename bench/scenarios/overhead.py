@@ -41,10 +41,11 @@ from bench.glside import (
     rq_queue,
     rq_results,
 )
-from bench.harness import Stack, wait_for
+from bench.harness import Stack
 from bench.report import Report, Table, Target, figure, pct, save
-from dispatcher import keys
-from dispatcher.jobs import FINAL_STATUSES
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import FINAL_STATUSES
+from testkit import wait_for
 
 CLASSES = ["interactive", "batch"]
 TYPE = "bench.stamp"
@@ -86,7 +87,7 @@ def _gl_sample(sys_: Systems) -> tuple[float, float]:
     reply = sys_.http.post("/tasks", json={"type": TYPE})
     t1 = time.time()
     key = keys.job(reply.json()["id"])
-    wait_for(lambda: sys_.gl_client.hget(key, "status") in FINAL, 10, "a no-op", every_s=0.005)
+    wait_for(lambda: sys_.gl_client.hget(key, "status") in FINAL, 10, "a no-op", interval_s=0.005)
     started = gl_results(sys_.gl_client, [reply.json()["id"]])[0]["t"]
     return started - t1, started - t0
 
@@ -95,7 +96,7 @@ def _rq_sample(sys_: Systems) -> tuple[float, float]:
     t0 = time.time()
     job = sys_.queue.enqueue(RQ_FUNC)
     t1 = time.time()
-    wait_for(lambda: rq_done(sys_.rq_client, [job.id]), 10, "an RQ no-op", every_s=0.005)
+    wait_for(lambda: rq_done(sys_.rq_client, [job.id]), 10, "an RQ no-op", interval_s=0.005)
     started = float(job.return_value(refresh=True)["t"])  # type: ignore[index]
     return started - t1, started - t0
 

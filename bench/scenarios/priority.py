@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.glside import Submitter, gl_done, records
-from bench.harness import Stack, wait_for
+from bench.harness import Stack
 from bench.report import Report, Table, Target, figure, pct, save
+from testkit import wait_for
 
 CLASSES = ["interactive", "batch"]
 POOLS = {"shared": 0, "reserved": 1}  # name -> workers serving interactive only
@@ -65,10 +66,10 @@ def _pool(name: str, reserved: int, size: Size) -> dict[str, Any]:
         )
         pacer.start()
         limit = 60 + 2 * size.batch * size.batch_s / (size.workers - reserved)
-        wait_for(lambda: gl_done(client, batch), limit, "the batch flood to drain", every_s=0.1)
+        wait_for(lambda: gl_done(client, batch), limit, "the batch flood to drain", interval_s=0.1)
         stop.set()
         pacer.join()
-        wait_for(lambda: gl_done(client, interactive), 30, "interactive tasks", every_s=0.05)
+        wait_for(lambda: gl_done(client, interactive), 30, "interactive tasks", interval_s=0.05)
         flood = records(client, batch)
         waits = [(r["started_ms"] - r["created_ms"]) for r in records(client, interactive)]
     return {

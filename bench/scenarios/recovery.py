@@ -26,8 +26,9 @@ from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
 from bench.glside import Submitter, records
-from bench.harness import Stack, wait_for
+from bench.harness import Stack
 from bench.report import Report, Table, Target, figure, save
+from testkit import wait_for
 
 CLASSES = ["interactive", "batch"]
 RQ_LIMIT_S = 1800.0
@@ -59,7 +60,7 @@ def _gpulane_once(run: int) -> float:
         def moved() -> bool:
             return bool(records(client, [task])[0]["worker"] == second.name)
 
-        wait_for(moved, 60, "the task to start again", every_s=0.02)
+        wait_for(moved, 60, "the task to start again", interval_s=0.02)
         return float(records(client, [task])[0]["started_ms"]) / 1000 - killed
 
 

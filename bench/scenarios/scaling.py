@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from bench.glside import Submitter, gl_done, records
-from bench.harness import Stack, classes_json, wait_for
+from bench.harness import Stack, classes_json
 from bench.report import Report, Table, Target, figure, save
+from testkit import wait_for
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def _step(stack: Stack, submitter: Submitter, n_workers: int, size: Size) -> dic
     cls = step_class(n_workers)
     ids = submitter.fill(size.per_worker * n_workers, "sleep", {"seconds": size.task_s}, cls)
     limit = 30 + 3 * size.per_worker * size.task_s
-    wait_for(lambda: gl_done(client, ids), limit, "the queue to drain", every_s=0.05)
+    wait_for(lambda: gl_done(client, ids), limit, "the queue to drain", interval_s=0.05)
     rows = records(client, ids)
     first = min(r["started_ms"] for r in rows)
     last = max(r["ended_ms"] for r in rows)

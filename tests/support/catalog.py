@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import redis
 
-from dispatcher import keys
-from dispatcher.settings import TenantConfig
+from dispatcher.contract.settings import TenantConfig
+from testkit import TEST_TASKS, publish_catalog
 
 
 def publish_builtin_catalog(client: redis.Redis) -> None:
-    import gl_test_tasks  # noqa: F401 - registers the test task types
-
-    import worker.tasks.builtin  # noqa: F401 - registers the built-ins
-    from worker.registry import REGISTRY
-
-    for name, entry in REGISTRY.catalog().items():
-        client.hset(keys.CATALOG, name, json.dumps(entry))
+    publish_catalog(client, TEST_TASKS)
 
 
 def tenant(name: str, key: str, **limits: Any) -> TenantConfig:

@@ -128,3 +128,16 @@ def cuda_fault(args: FaultArgs, ctx: TaskContext) -> dict[str, Any]:
 def torch_stats(args: BaseModel, ctx: TaskContext) -> dict[str, Any]:
     """How often the worker emptied the (fake) torch CUDA cache."""
     return {"empty_cache_calls": _fake_torch().empty_cache_calls}
+
+
+class RecordArgs(BaseModel):
+    path: str
+    tag: str
+
+
+@task("test.record")
+def record(args: RecordArgs, ctx: TaskContext) -> None:
+    """Append ``tag`` to the file at ``path``: the order tasks really ran in, which
+    tests assert instead of comparing clock readings (milliseconds tie)."""
+    with open(args.path, "a") as log:
+        log.write(args.tag + "\n")

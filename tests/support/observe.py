@@ -16,8 +16,8 @@ import redis
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher import keys
-from worker.devices import Device
+from dispatcher.contract import keys
+from worker.gpu.devices import Device
 from worker.state import WorkerState
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".test-artifacts"
@@ -111,7 +111,8 @@ def fake_gpu_worker(
         "memory_total_bytes": total_bytes,
     }
     now_ms = int(time.time() * 1000)
-    client.hset(keys.worker(name), mapping={**state.info(), "last_heartbeat_ms": now_ms})
+    fields: dict[str, str | int] = {**state.info(), "last_heartbeat_ms": now_ms}
+    client.hset(keys.worker(name), mapping=fields)  # type: ignore[arg-type]
     client.zadd(keys.WORKERS, {name: now_ms + 3_600_000})
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.servers import REPO, wait_for
+from testkit import REPO, wait_for
 
 
 class Up:
@@ -19,7 +19,7 @@ class Up:
         self.log = Path(env["XDG_DATA_HOME"]) / f"up-{len(args)}-{os.urandom(3).hex()}.log"
         self._out = self.log.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher.cli", "up", *args],
+            [sys.executable, "-m", "dispatcher.ops.cli", "up", *args],
             env=env,
             cwd=REPO,
             stdout=self._out,

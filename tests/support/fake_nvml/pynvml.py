@@ -60,7 +60,7 @@ class NVMLError(Exception):
     def __new__(cls, value: int) -> NVMLError:
         kind = NVMLError._classes.get(value, cls) if cls is NVMLError else cls
         obj = Exception.__new__(kind)
-        obj.value = value  # type: ignore[attr-defined]
+        obj.value = value
         return obj
 
     def __init__(self, value: int) -> None:

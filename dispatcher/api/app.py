@@ -1,0 +1,166 @@
+"""The API application: ``create_app(settings)`` and its background maintenance.
+
+The API is stateless: any number of replicas may run against one Redis. Each one runs
+a maintenance loop every heartbeat that reaps dead workers' tasks (one pass pool-wide,
+by lock), refreshes the pool snapshot admission reads, re-reads the task catalog and
+flushes its metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from dispatcher.api.auth import Authenticator
+from dispatcher.api.catalog import Catalog
+from dispatcher.api.deps import Services
+from dispatcher.api.errors import install_error_handlers
+from dispatcher.api.pool import Pool
+from dispatcher.api.ratelimit import RateLimiter
+from dispatcher.api.routes import observe, pool, tasks
+from dispatcher.api.store import TaskStore
+from dispatcher.contract import keys
+from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.metrics import Recorder
+from dispatcher.contract.reaper import parse_reaped, reap_options, record_reaped
+from dispatcher.contract.settings import Settings
+
+__all__ = ["app_from_environment", "create_app"]
+
+log = logging.getLogger("gpulane.api")
+
+CATALOG_REFRESH_S = 2.0
+
+
+async def _flush_metrics(client: Redis, recorder: Recorder) -> None:
+    drained = recorder.drain()
+    if not drained:
+        return
+    pipe = client.pipeline(transaction=True)
+    for field, n in drained.counters.items():
+        pipe.hincrby(keys.METRICS, field, n)
+    for field, x in drained.floats.items():
+        pipe.hincrbyfloat(keys.METRICS, field, x)
+    try:
+        await pipe.execute()
+    except RedisError:
+        recorder.restore(drained)
+        raise
+
+
+async def _maintain_once(svc: Services, catalog_due: bool) -> None:
+    reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
+    record_reaped(reaped, svc.recorder, "gave back a dead worker's task")
+    await svc.pool.snapshot()
+    if catalog_due:
+        await svc.catalog.refresh()
+    await _flush_metrics(svc.client, svc.recorder)
+
+
+async def _maintain(svc: Services) -> None:
+    backoff = Backoff(cap_s=svc.settings.heartbeat_interval_s * 2)
+    interval = svc.settings.heartbeat_interval_s
+    loop = asyncio.get_running_loop()
+    catalog_at = 0.0
+    down = False
+    while True:
+        try:
+            due = loop.time() - catalog_at >= CATALOG_REFRESH_S
+            await _maintain_once(svc, due)
+            catalog_at = loop.time() if due else catalog_at
+            if down:
+                log.info("redis is back")
+            down = False
+            backoff.reset()
+            await asyncio.sleep(interval)
+        except RedisError as exc:
+            if not down:
+                log.warning("redis unreachable: %s", exc)
+            down = True
+            await asyncio.sleep(backoff.next())
+
+
+async def _check_redis_config(client: Redis) -> None:
+    """Warn when Redis is set up to lose tasks (DESIGN: AOF on, noeviction)."""
+    try:
+        aof = (await client.config_get("appendonly")).get("appendonly")
+        policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
+    except (ResponseError, RedisError) as exc:
+        log.info("cannot read the redis configuration (%s); not checked", exc)
+        return
+    if aof != "yes":
+        log.warning("redis runs without appendonly: a redis restart loses queued tasks")
+    if policy != "noeviction":
+        log.warning("redis maxmemory-policy is %r: tasks may be evicted; use noeviction", policy)
+
+
+def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = client or Redis.from_url(
+            settings.redis_url_or_default, socket_timeout=5, socket_connect_timeout=3
+        )
+        store = TaskStore(redis, settings)
+        svc = Services(
+            settings=settings,
+            client=redis,
+            store=store,
+            pool=Pool(redis, settings),
+            catalog=Catalog(redis),
+            auth=Authenticator(settings),
+            limiter=RateLimiter(store.scripts),
+            recorder=Recorder(),
+        )
+        app.state.services = svc
+        if svc.auth.open:
+            log.warning("no API keys configured: the API is open, every caller is tenant 'default'")
+        try:
+            await _check_redis_config(redis)
+            await svc.catalog.refresh()
+            await svc.pool.snapshot()
+        except RedisError as exc:
+            log.warning("redis unreachable at start (%s); serving 503 until it answers", exc)
+        task = asyncio.create_task(_maintain(svc), name="gpulane-maintenance")
+        # Everything allocated so far lives as long as the process: keep it out of the
+        # cyclic collector, whose full passes over it stalled every request 70-100 ms
+        # each second under load (bench/README.md).
+        gc.freeze()
+        try:
+            yield
+        finally:
+            task.cancel()
+            try:
+                await _flush_metrics(redis, svc.recorder)
+            except RedisError:
+                log.warning("could not flush the last metrics")
+            if client is None:
+                await redis.aclose()
+
+    app = FastAPI(
+        title="gpulane",
+        version="1",
+        summary="Queue-based dispatcher for a pool of GPU workers.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (tasks, pool, observe):
+        app.include_router(module.router)
+    return app
+
+
+def app_from_environment() -> FastAPI:
+    """The app built from GPULANE_* settings: the factory each API process calls when
+    `gpulane api --workers N` runs several."""
+    from dispatcher.contract.logs import configure_logging
+    from dispatcher.contract.settings import load_settings
+
+    settings = load_settings()
+    configure_logging(settings.log_level, settings.log_format)
+    return create_app(settings)

@@ -1,0 +1,187 @@
+"""Read-side view of the pool: classes (depth, running, workers, run time) and live
+workers, from two pipelined round trips. Serves ``GET /queues``, ``GET /workers``,
+``/health`` and the admission cache that the API refreshes every heartbeat."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from dispatcher.api import admission
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import iso_ms
+from dispatcher.contract.settings import ClassConfig, Settings
+from dispatcher.contract.workers import NOT_SERVING
+
+__all__ = ["ClassState", "Pool", "Snapshot"]
+
+
+@dataclass(frozen=True)
+class ClassState:
+    name: str
+    config: ClassConfig
+    depth: int
+    running: int
+    workers: int
+    busy_workers: int
+    oldest_wait_s: float | None
+    run_s: float
+
+    @property
+    def estimated_wait_s(self) -> float | None:
+        return admission.estimate_s(self.depth, self.run_s, self.workers)
+
+    @property
+    def pressure(self) -> str:
+        return admission.pressure(self.depth, self.run_s, self.workers, self.config)
+
+    def to_json(self) -> dict[str, Any]:
+        est = self.estimated_wait_s
+        return {
+            "name": self.name,
+            "depth": self.depth,
+            "running": self.running,
+            "workers": self.workers,
+            "busy_workers": self.busy_workers,
+            "oldest_wait_s": self.oldest_wait_s,
+            "estimated_wait_s": round(est, 3) if est is not None else None,
+            "pressure": self.pressure,
+        }
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now_ms: int
+    classes: dict[str, ClassState]
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _worker_view(
+    name: str, info: dict[str, str], current: tuple[str, str] | None
+) -> dict[str, Any]:
+    # The in-flight list is the truth about busy/idle; the published state lags a beat.
+    state = info.get("state", "starting")
+    if current and state not in ("stopping", "unhealthy"):
+        state = "busy"
+    elif state == "busy":
+        state = "idle"
+    heartbeat = info.get("last_heartbeat_ms")
+    return {
+        "name": name,
+        "host": info.get("host"),
+        "state": state,
+        "classes": json.loads(info.get("classes", "[]")),
+        "task_types": json.loads(info.get("task_types", "[]")),
+        "current_task": current[0] if current else None,
+        "current_class": current[1] if current else None,
+        "tasks_done": int(info.get("tasks_done", 0)),
+        "tasks_failed": int(info.get("tasks_failed", 0)),
+        "last_heartbeat": iso_ms(int(heartbeat)) if heartbeat else None,
+        "device": json.loads(info.get("device", "null")),
+        "reason": info.get("reason") or None,
+    }
+
+
+class _Tally:
+    """Counts per class while the live workers are read."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.workers: list[dict[str, Any]] = []
+        self.serving = dict.fromkeys(names, 0)
+        self.busy = dict.fromkeys(names, 0)
+        self.running = dict.fromkeys(names, 0)
+
+    def add(self, name: str, info: dict[str, str], inflight: list[Any]) -> None:
+        if not info:  # reaped between the two reads
+            return
+        current = None
+        for cls, task in zip(self.names, inflight, strict=True):
+            if task:
+                current = (task.decode(), cls)
+                self.running[cls] += 1
+        view = _worker_view(name, info, current)
+        self.workers.append(view)
+        if view["state"] in NOT_SERVING:
+            return
+        for cls in view["classes"]:
+            if cls in self.serving:
+                self.serving[cls] += 1
+                self.busy[cls] += current is not None
+
+
+class Pool:
+    def __init__(self, client: Redis, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.latest: Snapshot | None = None
+
+    async def snapshot(self) -> Snapshot:
+        names = self.settings.class_names
+        now_ms, live, per_class = await self._read_classes(names)
+        pipe = self.client.pipeline(transaction=False)
+        for name in live:
+            pipe.hgetall(keys.worker(name))
+            for cls in names:
+                pipe.lindex(keys.inflight(name, cls), 0)
+        for _, head, _ in per_class:
+            if head:
+                pipe.hget(keys.job(head.decode()), "created_ms")
+            else:
+                pipe.echo("")  # keeps one reply per class
+        replies = await pipe.execute()
+        stride = 1 + len(names)
+        tally = _Tally(names)
+        for i, name in enumerate(live):
+            tally.add(
+                name, _decode(replies[i * stride]), replies[i * stride + 1 : (i + 1) * stride]
+            )
+        heads = replies[len(live) * stride :]
+        classes = {
+            cls: self._class_state(cls, depth, stats, head_created, now_ms, tally)
+            for cls, (depth, _, stats), head_created in zip(names, per_class, heads, strict=True)
+        }
+        snap = Snapshot(now_ms=now_ms, classes=classes, workers=tally.workers)
+        self.latest = snap
+        return snap
+
+    async def _read_classes(self, names: list[str]) -> tuple[int, list[str], list[list[Any]]]:
+        """Redis time, live worker names, and per class [depth, head id, [sum, weight]]."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
+        for cls in names:
+            pipe.llen(keys.queue(cls))
+            pipe.lindex(keys.queue(cls), 0)
+            pipe.hmget(keys.stats(cls), "sum", "weight")
+        replies = await pipe.execute()
+        now_ms = replies[0][0] * 1000 + replies[0][1] // 1000
+        live = [m.decode() for m, deadline in replies[1] if deadline > now_ms]
+        return now_ms, live, [replies[2 + 3 * i : 5 + 3 * i] for i in range(len(names))]
+
+    def _class_state(
+        self, cls: str, depth: int, stats: list[Any], head_created: Any, now_ms: int, tally: _Tally
+    ) -> ClassState:
+        total, weight = (float(v) if v else 0.0 for v in stats)
+        oldest = (now_ms - int(head_created)) / 1000 if head_created else None
+        return ClassState(
+            name=cls,
+            config=self.settings.classes[cls],
+            depth=int(depth),
+            running=tally.running[cls],
+            workers=tally.serving[cls],
+            busy_workers=tally.busy[cls],
+            oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
+            run_s=total / weight if weight > 0 else self.settings.default_run_s,
+        )
+
+    async def cached(self) -> Snapshot:
+        """The snapshot the maintenance loop keeps fresh (one heartbeat old at most)."""
+        return self.latest or await self.snapshot()

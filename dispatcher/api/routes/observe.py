@@ -1,0 +1,162 @@
+"""Health and observability routes: ``GET /health`` (liveness and readiness),
+``GET /metrics`` (Prometheus), ``GET /stats`` (JSON for the
+dashboard) and ``GET /`` (the live dashboard, with its files under ``/static/``).
+
+Auth follows the pool routes: with API keys configured, ``/metrics`` needs an admin
+key like ``/workers`` (it lists every worker), ``/stats`` any key, filtered to the
+classes the key may use like ``/queues``. The dashboard page itself holds no data and
+is public; its script asks for a key when the API answers 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse
+from redis.exceptions import RedisError
+
+from dispatcher.api.deps import caller, services
+from dispatcher.api.errors import STORE_RETRY_AFTER_S, ApiError, error_body
+from dispatcher.api.exporter import pool_families, read_recorded, render
+from dispatcher.api.stats import LatencyWindow, class_stats, latency_by_class
+from dispatcher.contract.workers import NOT_SERVING
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["observability"])
+
+# The page talks only to this origin and loads nothing from elsewhere: it works
+# offline, and an injected script or a CDN outage cannot change what it shows.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
+
+
+def _load_static() -> dict[str, tuple[bytes, str, str]]:
+    """name -> (bytes, content type, ETag). Read once: three small files, served from
+    memory, and an unknown name can never reach the file system."""
+    out = {}
+    for entry in resources.files("dispatcher.api").joinpath("static").iterdir():
+        suffix = "." + entry.name.rsplit(".", 1)[-1]
+        if entry.is_file() and suffix in _TYPES:
+            body = entry.read_bytes()
+            etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
+            out[entry.name] = (body, f"{_TYPES[suffix]}; charset=utf-8", etag)
+    return out
+
+
+_STATIC = _load_static()
+
+
+def _asset(name: str, request: Request) -> Response:
+    found = _STATIC.get(name)
+    if found is None:
+        raise ApiError(404, "not_found", f"No route {request.url.path}.")
+    body, content_type, etag = found
+    # no-cache: revalidate every load (a 304 is tiny), so an upgrade shows at once.
+    headers = {"ETag": etag, "Cache-Control": "no-cache", "Content-Security-Policy": _CSP}
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    return Response(body, headers=headers, media_type=content_type)
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics of the whole pool",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
+)
+async def metrics(request: Request) -> Response:
+    """Counters, gauges and histograms named in docs/design.md, aggregated over the whole
+    pool through Redis (any replica exports the same series), plus this API process's
+    `process_*` and `python_*` metrics. Prometheus text; OpenMetrics when `Accept`
+    asks for it. Admin key needed when keys are configured."""
+    svc = services(request)
+    if not (await caller(request)).admin:
+        raise ApiError(404, "not_found", "No route /metrics for this key.")
+    # Gauges from the snapshot the maintenance loop refreshes every heartbeat: the
+    # counters beside them are that fresh anyway, and a scrape costs one HGETALL.
+    recorded, snap = await asyncio.gather(read_recorded(svc.client), svc.pool.cached())
+    body, content_type = render(pool_families(recorded, snap), request.headers.get("accept", ""))
+    return Response(body, headers={"Content-Type": content_type})
+
+
+def _window(request: Request) -> LatencyWindow:
+    window: LatencyWindow | None = getattr(request.app.state, "latency_window", None)
+    if window is None:
+        window = request.app.state.latency_window = LatencyWindow()
+    return window
+
+
+@router.get("/stats", summary="Per-class task counts and latency percentiles (JSON)")
+async def stats(request: Request) -> dict[str, Any]:
+    """What the dashboard shows beside `/queues` and `/workers`, one entry per class in
+    priority order (only the classes the key may use):
+
+    `{"classes": [{"name", "submitted", "rejected": {reason: n}, "finished":
+    {"succeeded", "failed", "canceled"}, "requeued", "latency_s": {"p50", "p95", "p99",
+    "count", "window_s"}}]}`
+
+    Counts are pool-wide totals since the metrics began (the Prometheus counters,
+    summed over task types). `latency_s` is submit-to-final time, estimated from the
+    `gpulane_task_latency_seconds` buckets like PromQL's `histogram_quantile`, over the
+    tasks that finished in the last `window_s` seconds (up to 300); `window_s` is null
+    when it covers every task so far, because none finished recently or this replica
+    has not been asked before. Percentiles are null without tasks."""
+    svc = services(request)
+    principal = await caller(request)
+    recorded = await read_recorded(svc.client)
+    recent = _window(request).since(time.monotonic(), latency_by_class(recorded))
+    return {
+        "classes": [
+            class_stats(cls, recorded, recent)
+            for cls in svc.settings.class_names
+            if principal.may_use(cls)
+        ]
+    }
+
+
+@router.get("/", summary="Live dashboard (HTML)", response_class=HTMLResponse)
+async def dashboard(request: Request) -> Response:
+    """Queues, latency, rejections and workers, refreshed every second from `/queues`,
+    `/workers` and `/stats`. Self-contained: no CDN, works offline."""
+    return _asset("index.html", request)
+
+
+@router.get("/static/{name}", include_in_schema=False)
+async def static_file(name: str, request: Request) -> Response:
+    return _asset(name, request)
+
+
+@router.get("/health", tags=["pool"])
+async def health(request: Request, response: Response) -> dict[str, Any]:
+    """200 while Redis answers, else 503."""
+    svc = services(request)
+    try:
+        await svc.client.ping()
+    except RedisError:
+        response.status_code = 503
+        response.headers["Retry-After"] = str(STORE_RETRY_AFTER_S)
+        return {
+            "status": "unavailable",
+            "redis": "unreachable",
+            "workers": None,
+            **error_body("store_unavailable", "The task store (Redis) is unreachable."),
+        }
+    snap = svc.pool.latest
+    workers = snap.workers if snap else []
+    return {
+        "status": "ok",
+        "redis": "ok",
+        "workers": len(workers),
+        # Live workers able to take a task now (not starting, waiting for a GPU or
+        # unhealthy): what a readiness check wants.
+        "serving": sum(w["state"] not in NOT_SERVING for w in workers),
+    }

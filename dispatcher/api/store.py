@@ -1,0 +1,128 @@
+"""The API's task operations: submit, read and cancel, each one script call."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from dispatcher.api.coalesce import AsyncScripts
+from dispatcher.api.pool import ClassState
+from dispatcher.contract.jobs import (
+    PUBLIC_STATUS,
+    RECORD_FIELDS,
+    FileMeta,
+    encode_call,
+    record_from_fields,
+)
+from dispatcher.contract.scripts import CancelVerdict, SubmitVerdict, options
+from dispatcher.contract.scripts import verdict as script_verdict
+from dispatcher.contract.settings import ClassConfig, Settings
+
+__all__ = ["CancelResult", "Submission", "SubmitResult", "TaskStore", "submit_options"]
+
+
+@dataclass(frozen=True)
+class Submission:
+    task_type: str
+    cls: str
+    args: dict[str, Any]
+    timeout_s: float
+    tenant: str
+    file: FileMeta | None = None
+    file_data: bytes = b""
+    idempotency_key: str | None = None
+    max_in_flight: int = 0  # the tenant's quota of queued + running tasks; 0: none
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    verdict: SubmitVerdict
+    task_id: str
+    depth: int  # tasks in the class queue after this submit
+    estimated_wait_s: float | None
+    status: str = "queued"  # public status (for a duplicate: the original's)
+    cls: str = ""
+    task_type: str = ""
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    verdict: CancelVerdict
+    status: str | None = None  # for a conflict: the status it already had
+    cls: str = ""  # for canceled: what the metrics count it under
+    task_type: str = ""
+
+
+def submit_options(
+    sub: Submission, cfg: ClassConfig, workers: int, run_s: float, settings: Settings
+) -> str:
+    """submit.lua's options: the task, its class's limits and the pool's state."""
+    digest = ""
+    if sub.idempotency_key is not None:
+        digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
+    return options(
+        id=str(uuid.uuid4()),
+        type=sub.task_type,
+        tenant=sub.tenant,
+        timeout=sub.timeout_s,
+        ttl_s=settings.result_ttl_s,
+        max_queued=cfg.max_queued,
+        max_wait_s=cfg.max_wait_s,
+        reject_without_workers=cfg.reject_without_workers,
+        workers=workers,
+        run_s=run_s,
+        idem=digest,
+        idem_ttl_s=settings.idempotency_ttl_s,
+        max_in_flight=sub.max_in_flight,
+        classes=settings.class_names,
+        **{"class": sub.cls},
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class TaskStore:
+    def __init__(self, client: Redis, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.scripts = AsyncScripts(client)
+
+    async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
+        opts = submit_options(sub, state.config, state.workers, state.run_s, self.settings)
+        data = encode_call(sub.task_type, sub.args, sub.file)
+        reply = await self.scripts.run("submit", opts, data, sub.file_data)
+        verdict: SubmitVerdict = script_verdict(reply[0], SubmitVerdict)
+        if verdict == "duplicate":
+            _, task_id, status, cls, task_type = (_text(x) for x in reply)
+            return SubmitResult(
+                verdict, task_id, -1, None, PUBLIC_STATUS.get(status, status), cls, task_type
+            )
+        depth = int(reply[2]) + (verdict == "accepted")
+        est_ms = int(reply[3])
+        est = est_ms / 1000 if est_ms >= 0 else None
+        return SubmitResult(verdict, _text(reply[1]), depth, est, "queued", sub.cls, sub.task_type)
+
+    async def get(self, task_id: str, tenant: str | None) -> dict[str, Any] | None:
+        """The public record, or None when absent or owned by another tenant."""
+        values, position = await self.scripts.run("get", task_id, *RECORD_FIELDS)
+        raw = dict(zip(RECORD_FIELDS, values, strict=True))
+        if raw["status"] is None:
+            return None
+        if tenant is not None and (raw["tenant"] or b"").decode() != tenant:
+            return None
+        return record_from_fields(task_id, values, position)
+
+    async def cancel(self, task_id: str, tenant: str | None) -> CancelResult:
+        opts = options(id=task_id, tenant=tenant or "", ttl_s=self.settings.result_ttl_s)
+        reply = [_text(x) for x in await self.scripts.run("cancel", opts)]
+        verdict: CancelVerdict = script_verdict(reply[0], CancelVerdict)
+        if verdict == "canceled":
+            return CancelResult("canceled", cls=reply[1], task_type=reply[2])
+        status = PUBLIC_STATUS.get(reply[1], reply[1]) if len(reply) > 1 else None
+        return CancelResult(verdict, status)

@@ -1,0 +1,222 @@
+"""Turning a ``POST /tasks`` request into a validated :class:`Submission`.
+
+Two shapes are accepted: a JSON body ``{"type", "class", "args", "timeout_s"}`` and
+``multipart/form-data`` with a ``file`` part plus optional ``type``, ``class``,
+``args`` (a JSON string) and ``timeout_s`` parts. Sizes are enforced while reading:
+a declared ``Content-Length`` over the limit is refused before a byte is read, and a
+body that streams past it is cut off, so an oversized upload never sits in memory.
+Uploads are spooled to disk by the multipart parser past 1 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.types import Message, Receive
+
+from dispatcher.api.auth import Principal
+from dispatcher.api.catalog import Catalog
+from dispatcher.api.errors import ApiError
+from dispatcher.api.store import Submission
+from dispatcher.contract.jobs import FileMeta
+from dispatcher.contract.settings import Settings
+
+__all__ = ["parse_submission"]
+
+_FIELDS = {"type", "class", "args", "timeout_s"}
+_MAX_NAME = 64
+_MAX_IDEMPOTENCY_KEY = 255
+_MAX_FILENAME = 255
+
+
+def _too_large(limit: int, what: str) -> ApiError:
+    return ApiError(
+        413,
+        "payload_too_large",
+        f"The {what} is larger than the limit of {limit} bytes.",
+        limit_bytes=limit,
+    )
+
+
+def _limited(request: Request, limit: int, what: str) -> Request:
+    """The same request, its body cut off with a 413 once it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise _too_large(limit, what)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", "Content-Length is not a number.") from exc
+    seen = 0
+    upstream: Receive = request.receive
+
+    async def receive() -> Message:
+        nonlocal seen
+        message = await upstream()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise _too_large(limit, what)
+        return message
+
+    return Request(request.scope, receive)
+
+
+def _invalid(message: str, **extra: Any) -> ApiError:
+    return ApiError(422, "invalid_request", message, **extra)
+
+
+async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
+    body = await _limited(request, settings.max_body_bytes, "request body").body()
+    try:
+        fields = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
+    if not isinstance(fields, dict):
+        raise ApiError(400, "invalid_request", "The body must be a JSON object.")
+    unknown = sorted(set(fields) - _FIELDS)
+    if unknown:
+        raise _invalid(f"Unknown fields {unknown}; a task has {sorted(_FIELDS)}.")
+    return fields
+
+
+async def _form_fields(
+    request: Request, settings: Settings
+) -> tuple[dict[str, Any], UploadFile | None]:
+    limited = _limited(request, settings.max_file_bytes + settings.max_body_bytes, "upload")
+    try:
+        form = await limited.form(max_files=1, max_fields=8, max_part_size=settings.max_body_bytes)
+    except MultiPartException as exc:
+        raise ApiError(400, "invalid_request", f"Malformed multipart body: {exc.message}") from exc
+    fields: dict[str, Any] = {}
+    upload: UploadFile | None = None
+    for name, value in form.multi_items():
+        if name == "file" and isinstance(value, UploadFile):
+            upload = value
+        elif name in _FIELDS and isinstance(value, str):
+            fields[name] = value
+        else:
+            raise _invalid(
+                f"Unexpected form part {name!r}; parts are 'file' and {sorted(_FIELDS)}."
+            )
+    if "args" in fields:
+        try:
+            fields["args"] = json.loads(fields["args"])
+        except (ValueError, RecursionError) as exc:
+            raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
+    if "timeout_s" in fields:
+        try:
+            fields["timeout_s"] = float(fields["timeout_s"])
+        except ValueError as exc:
+            raise _invalid("The 'timeout_s' part is not a number.") from exc
+    return fields, upload
+
+
+def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
+    value = fields.get(key, default)
+    if value is None:
+        raise _invalid(f"The '{key}' field is required.")
+    if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
+        raise _invalid(
+            f"The '{key}' field must be a non-empty string of at most {_MAX_NAME} characters."
+        )
+    return value
+
+
+def _timeout(fields: dict[str, Any], default_s: float, max_s: float) -> float:
+    value = fields.get("timeout_s")
+    if value is None:
+        return default_s
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _invalid("'timeout_s' must be a number of seconds.")
+    if not 0 < value <= max_s:
+        raise _invalid(f"'timeout_s' must be more than 0 and at most {max_s:g}.")
+    return float(value)
+
+
+async def _read(request: Request, settings: Settings) -> tuple[dict[str, Any], UploadFile | None]:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "application/json":
+        return await _json_fields(request, settings), None
+    if content_type == "multipart/form-data":
+        return await _form_fields(request, settings)
+    raise ApiError(
+        400, "invalid_request", "Send application/json, or multipart/form-data with a 'file' part."
+    )
+
+
+def _class(fields: dict[str, Any], principal: Principal, settings: Settings) -> str:
+    cls = _name(fields, "class", settings.default_class)
+    if cls not in settings.classes or not principal.may_use(cls):
+        known = [c for c in settings.class_names if principal.may_use(c)]
+        raise ApiError(422, "unknown_class", f"Unknown class {cls!r}.", known=known)
+    return cls
+
+
+async def _task_type(
+    fields: dict[str, Any], upload: UploadFile | None, settings: Settings, catalog: Catalog
+) -> str:
+    task_type = _name(fields, "type", settings.default_file_task if upload else None)
+    info = await catalog.lookup(task_type)
+    if info is None:
+        raise ApiError(
+            422,
+            "unknown_task_type",
+            f"Unknown task type {task_type!r}.",
+            known=await catalog.names(),
+        )
+    args = fields.get("args", {})
+    if not isinstance(args, dict):
+        raise _invalid("'args' must be a JSON object.")
+    problems = info.errors(args)
+    if problems:
+        raise _invalid(f"Invalid arguments for {task_type!r}: {problems[0]}", details=problems)
+    if info.file == "required" and upload is None:
+        raise _invalid(f"Task type {task_type!r} needs a document: send it as the 'file' part.")
+    if info.file == "none" and upload is not None:
+        raise _invalid(f"Task type {task_type!r} does not take a file.")
+    return task_type
+
+
+async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | None, bytes]:
+    if upload is None:
+        return None, b""
+    if upload.size is not None and upload.size > limit:
+        raise _too_large(limit, "file")
+    data = await upload.read()
+    if len(data) > limit:
+        raise _too_large(limit, "file")
+    name = (upload.filename or "upload")[:_MAX_FILENAME]
+    return FileMeta(name, upload.content_type or "application/octet-stream", len(data)), data
+
+
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is not None and not 0 < len(key) <= _MAX_IDEMPOTENCY_KEY:
+        raise _invalid(f"Idempotency-Key must have 1 to {_MAX_IDEMPOTENCY_KEY} characters.")
+    return key
+
+
+async def parse_submission(
+    request: Request, principal: Principal, settings: Settings, catalog: Catalog
+) -> Submission:
+    """Read and validate a submission; raise :class:`ApiError` with a clear message."""
+    fields, upload = await _read(request, settings)
+    cls = _class(fields, principal, settings)
+    task_type = await _task_type(fields, upload, settings, catalog)
+    meta, data = await _upload(upload, settings.max_file_bytes)
+    return Submission(
+        task_type=task_type,
+        cls=cls,
+        args=fields.get("args", {}),
+        timeout_s=_timeout(fields, settings.class_timeout_s(cls), settings.max_timeout_s),
+        tenant=principal.tenant,
+        file=meta,
+        file_data=data,
+        idempotency_key=_idempotency_key(request),
+        max_in_flight=principal.config.max_in_flight if principal.config else 0,
+    )

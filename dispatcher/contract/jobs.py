@@ -1,0 +1,218 @@
+"""The task as stored in Redis: an RQ job hash that gpulane extends.
+
+A task is an RQ job (``rq:job:<id>``) written in RQ's own format with RQ's JSON
+serializer, so ``rq.job.Job.fetch(id, serializer=JSONSerializer)`` reads it. Its
+``data`` is always a call of one fixed entry point, :data:`ENTRY_POINT`, with the task
+type as data::
+
+    zlib(json(["worker.entry.run", null, [<type>, <args>], {"file": <meta> | absent}]))
+
+Workers refuse any other call (invariant 3): nothing names a function to run.
+
+Hash fields. RQ's: ``data``, ``origin`` (the class), ``status`` (RQ's vocabulary, see
+:data:`PUBLIC_STATUS`), ``created_at``, ``enqueued_at``, ``started_at``, ``ended_at``,
+``last_heartbeat`` (ISO 8601, Redis clock), ``description``, ``timeout`` (whole
+seconds, as RQ reads it), ``result_ttl``, ``failure_ttl``, ``worker_name``, ``result``
+(JSON).
+
+gpulane's: ``type``, ``tenant``, ``timeout_s`` (the exact limit); ``created_ms``,
+``started_ms``, ``ended_ms`` (epoch ms, Redis clock, so hosts with skewed clocks
+agree); ``attempts`` (times started); ``lost`` (times its worker died holding it);
+``quota`` (``1`` when it counts against its tenant's max_in_flight); ``has_file``;
+``progress`` and ``error`` (JSON objects); ``device`` (JSON of the worker's device);
+``history`` (JSON list of attempts that did not end normally); ``cancel`` (``1`` once
+a cancel was requested).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+__all__ = [
+    "ENTRY_POINT",
+    "FINAL",
+    "FINAL_STATUSES",
+    "PUBLIC_STATUS",
+    "RECORD_FIELDS",
+    "Call",
+    "CallRefused",
+    "FileMeta",
+    "RqStatus",
+    "TaskStatus",
+    "decode_call",
+    "encode_call",
+    "iso_ms",
+    "record_from_fields",
+]
+
+ENTRY_POINT = "worker.entry.run"
+
+
+class TaskStatus(StrEnum):
+    """A task's status in the HTTP API (``GET /tasks/<id>``), the clients and the CLI."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+# The statuses a task never leaves.
+FINAL: frozenset[TaskStatus] = frozenset(
+    {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELED}
+)
+
+# RQ's vocabulary, as stored in the job hash's ``status`` field.
+RqStatus = Literal["queued", "started", "finished", "failed", "canceled", "stopped"]
+
+# RQ's job status -> the public status of the HTTP API.
+PUBLIC_STATUS: dict[str, TaskStatus] = {
+    "queued": TaskStatus.QUEUED,
+    "started": TaskStatus.RUNNING,
+    "finished": TaskStatus.SUCCEEDED,
+    "failed": TaskStatus.FAILED,
+    "canceled": TaskStatus.CANCELED,
+    "stopped": TaskStatus.CANCELED,
+}
+# The same final set in RQ's vocabulary (what Lua and the bench read in job hashes).
+FINAL_STATUSES: frozenset[str] = frozenset(
+    rq for rq, public in PUBLIC_STATUS.items() if public in FINAL
+)
+
+
+# What GET /tasks/<id> reads, in this order (get.lua takes the list as ARGV).
+RECORD_FIELDS = (
+    "status",
+    "type",
+    "origin",
+    "tenant",
+    "progress",
+    "result",
+    "error",
+    "attempts",
+    "worker_name",
+    "device",
+    "created_ms",
+    "started_ms",
+    "ended_ms",
+    "cancel",
+)
+
+# Bound on a decompressed call: a hostile hash cannot make a worker inflate gigabytes.
+_MAX_CALL_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    name: str
+    content_type: str
+    size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "content_type": self.content_type, "size": self.size}
+
+
+@dataclass(frozen=True)
+class Call:
+    task_type: str
+    args: dict[str, Any]
+    file: FileMeta | None
+
+
+class CallRefused(ValueError):
+    """The job's data is not a call of gpulane's entry point; the worker must not run it."""
+
+
+def encode_call(task_type: str, args: dict[str, Any], file: FileMeta | None = None) -> bytes:
+    kwargs: dict[str, Any] = {"file": file.to_json()} if file else {}
+    payload = [ENTRY_POINT, None, [task_type, args], kwargs]
+    return zlib.compress(json.dumps(payload, separators=(",", ":")).encode())
+
+
+def _inflate(data: bytes) -> bytes:
+    try:
+        inflater = zlib.decompressobj()
+        out = inflater.decompress(data, _MAX_CALL_BYTES)
+    except zlib.error:
+        return data  # RQ also accepts uncompressed data
+    if inflater.unconsumed_tail:
+        raise CallRefused("job data is larger than a task call may be")
+    return out
+
+
+def decode_call(data: bytes) -> Call:
+    """Parse a job's ``data``; raise :class:`CallRefused` unless it calls :data:`ENTRY_POINT`."""
+    raw = _inflate(data)
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CallRefused("job data is not JSON (pickled or foreign job)") from exc
+    if not (isinstance(payload, list) and len(payload) == 4):
+        raise CallRefused("job data is not an RQ call")
+    func, instance, args, kwargs = payload
+    if func != ENTRY_POINT or instance is not None:
+        raise CallRefused(f"job calls {func!r}; workers run only {ENTRY_POINT!r}")
+    if not (
+        isinstance(args, list)
+        and len(args) == 2
+        and isinstance(args[0], str)
+        and isinstance(args[1], dict)
+        and isinstance(kwargs, dict)
+        and set(kwargs) <= {"file"}
+    ):
+        raise CallRefused("job arguments do not match the entry point's signature")
+    meta = kwargs.get("file")
+    file = None
+    if meta is not None:
+        try:
+            file = FileMeta(str(meta["name"]), str(meta["content_type"]), int(meta["size"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CallRefused("job file description is malformed") from exc
+    return Call(task_type=args[0], args=args[1], file=file)
+
+
+def iso_ms(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    moment = datetime.fromtimestamp(ms / 1000, UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _int(raw: bytes | None) -> int | None:
+    return int(raw) if raw else None
+
+
+def _json(raw: bytes | None) -> Any:
+    return json.loads(raw) if raw else None
+
+
+def record_from_fields(task_id: str, values: list[Any], position: int | None) -> dict[str, Any]:
+    """The public task record (``GET /tasks/<id>``) from :data:`RECORD_FIELDS` values."""
+    raw = dict(zip(RECORD_FIELDS, values, strict=True))
+    created, started, ended = (_int(raw[f]) for f in ("created_ms", "started_ms", "ended_ms"))
+    status = PUBLIC_STATUS.get(raw["status"].decode(), "failed")
+    return {
+        "id": task_id,
+        "type": raw["type"].decode() if raw["type"] else None,
+        "class": raw["origin"].decode() if raw["origin"] else None,
+        "status": status,
+        "position": position if status == "queued" else None,
+        "progress": _json(raw["progress"]),
+        "result": _json(raw["result"]) if status == "succeeded" else None,
+        "error": _json(raw["error"]),
+        "attempts": _int(raw["attempts"]) or 0,
+        "worker": raw["worker_name"].decode() if raw["worker_name"] else None,
+        "device": _json(raw["device"]),
+        "created_at": iso_ms(created),
+        "started_at": iso_ms(started),
+        "finished_at": iso_ms(ended),
+        "queue_wait_s": (started - created) / 1000 if started and created else None,
+        "run_s": (ended - started) / 1000 if ended and started else None,
+        "cancel_requested": raw["cancel"] == b"1" and status == "running",
+    }

@@ -1,0 +1,172 @@
+"""Every Redis key gpulane reads or writes, built here and nowhere else.
+
+Layout (one Redis database; Redis Cluster is not supported because scripts touch keys
+they discover, such as a dead worker's in-flight lists):
+
+RQ's own keys (kept in RQ's format so ``rq info``, rq-dashboard and KEDA see the queues)::
+
+    rq:queue:<class>                 LIST   ids of queued tasks; head is served next
+    rq:queues                        SET    RQ's index of queue keys
+    rq:job:<id>                      HASH   the task: RQ's job fields plus gpulane's
+                                            (field list in dispatcher.contract.jobs)
+
+gpulane's keys::
+
+    gpulane:file:<id>                STRING uploaded document bytes; deleted at the end
+    gpulane:catalog                  HASH   task type -> JSON {schema, description, ...}
+                                            as published by the workers serving it
+    gpulane:workers                  ZSET   worker name -> lease deadline (ms, Redis clock)
+    gpulane:worker:<name>            HASH   what a worker is and does (GET /workers)
+    gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id); tasks
+                                            move here from rq:queue:<class> atomically
+    gpulane:idle:<class>             SET    workers parked waiting for that class
+    gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
+    gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
+    gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
+    gpulane:metrics                  HASH   pool-wide counters and histogram buckets
+    gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
+    gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
+                                            (created ms), for max_in_flight
+    gpulane:rate:<tenant>            HASH   the tenant's token bucket: tokens, at_ms
+    gpulane:reaper:lock              STRING one reaper at a time (SET NX PX)
+    gpulane:reaper:last              STRING Redis time of the last reaper pass (ms)
+    gpulane:gpu:<uuid>:<slot>        STRING name of the worker holding that claim slot of
+                                            the GPU (slots 0..per_gpu-1), PX lease_ttl;
+                                            taken and renewed by gpu_lease.lua
+
+GPU claims are keyed by the card's NVML UUID alone, not by host name: a UUID names
+one physical card (or MIG instance) worldwide, while a host name is per container, so
+``docker compose up --scale worker=4`` replicas on one machine, each with its own
+host name, must still meet on the same key for the same card.
+
+Lua scripts get the same functions through :func:`lua_prelude`, generated from this
+module, so a layout change here reaches every script.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CATALOG",
+    "METRICS",
+    "REAPER_LAST",
+    "REAPER_LOCK",
+    "RQ_QUEUES",
+    "WORKERS",
+    "control",
+    "file",
+    "gpu_claim",
+    "idem",
+    "idle",
+    "inflight",
+    "job",
+    "lua_prelude",
+    "queue",
+    "rate",
+    "stats",
+    "tenant_tasks",
+    "wake",
+    "worker",
+]
+
+_RQ = "rq:"
+_P = "gpulane:"
+
+RQ_QUEUES = _RQ + "queues"
+CATALOG = _P + "catalog"
+WORKERS = _P + "workers"
+METRICS = _P + "metrics"
+REAPER_LOCK = _P + "reaper:lock"
+REAPER_LAST = _P + "reaper:last"
+
+# One table drives both the Python functions and the Lua prelude:
+# name -> (prefix, argument names, suffix).
+_TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "queue": (_RQ + "queue:", ("cls",), ""),
+    "job": (_RQ + "job:", ("task_id",), ""),
+    "file": (_P + "file:", ("task_id",), ""),
+    "worker": (_P + "worker:", ("name",), ""),
+    "inflight": (_P + "inflight:", ("name", "cls"), ""),
+    "idle": (_P + "idle:", ("cls",), ""),
+    "wake": (_P + "wake:", ("name",), ""),
+    "control": (_P + "control:", ("name",), ""),
+    "stats": (_P + "stats:", ("cls",), ""),
+    "idem": (_P + "idem:", ("tenant", "digest"), ""),
+    "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
+    "rate": (_P + "rate:", ("tenant",), ""),
+    "gpu_claim": (_P + "gpu:", ("uuid", "slot"), ""),
+}
+
+
+def _build(name: str, *parts: str) -> str:
+    prefix, _, suffix = _TEMPLATES[name]
+    return prefix + ":".join(parts) + suffix
+
+
+def queue(cls: str) -> str:
+    return _build("queue", cls)
+
+
+def job(task_id: str) -> str:
+    return _build("job", task_id)
+
+
+def file(task_id: str) -> str:
+    return _build("file", task_id)
+
+
+def worker(name: str) -> str:
+    return _build("worker", name)
+
+
+def inflight(name: str, cls: str) -> str:
+    return _build("inflight", name, cls)
+
+
+def idle(cls: str) -> str:
+    return _build("idle", cls)
+
+
+def wake(name: str) -> str:
+    return _build("wake", name)
+
+
+def control(name: str) -> str:
+    return _build("control", name)
+
+
+def stats(cls: str) -> str:
+    return _build("stats", cls)
+
+
+def idem(tenant: str, digest: str) -> str:
+    return _build("idem", tenant, digest)
+
+
+def tenant_tasks(tenant: str) -> str:
+    return _build("tenant_tasks", tenant)
+
+
+def rate(tenant: str) -> str:
+    return _build("rate", tenant)
+
+
+def gpu_claim(uuid: str, slot: int) -> str:
+    return _build("gpu_claim", uuid, str(slot))
+
+
+def lua_prelude() -> str:
+    """Lua table ``K`` with the same key builders, prepended to every script."""
+    lines = ["local K = {}"]
+    for name, (prefix, args, suffix) in _TEMPLATES.items():
+        body = " .. ':' .. ".join(args) + (f" .. '{suffix}'" if suffix else "")
+        lines.append(f"function K.{name}({', '.join(args)}) return '{prefix}' .. {body} end")
+    for name, value in (
+        ("RQ_QUEUES", RQ_QUEUES),
+        ("CATALOG", CATALOG),
+        ("WORKERS", WORKERS),
+        ("METRICS", METRICS),
+        ("REAPER_LOCK", REAPER_LOCK),
+        ("REAPER_LAST", REAPER_LAST),
+    ):
+        lines.append(f"K.{name} = '{value}'")
+    return "\n".join(lines) + "\n"

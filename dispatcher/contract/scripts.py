@@ -1,0 +1,102 @@
+"""gpulane's Lua scripts: loaded from ``dispatcher/contract/lua/*.lua`` and registered once.
+
+Each script's text is the key builders from :mod:`dispatcher.contract.keys`, then
+``_prelude.lua``, then the script. Every multi-key change gpulane makes goes through
+one of them, so it is atomic. Calls use ``EVALSHA``; redis-py reloads a script by
+itself after ``NOSCRIPT`` (a restarted or flushed Redis).
+
+Options travel as one JSON object in ``ARGV[1]`` (readable Lua, no positional soup);
+binary payloads (call data, files, results) follow as raw arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any, Literal, cast
+
+from redis import Redis
+from redis.commands.core import Script
+
+from dispatcher.contract import keys
+
+__all__ = [
+    "NAMES",
+    "CancelVerdict",
+    "FinishVerdict",
+    "ReleaseVerdict",
+    "SubmitVerdict",
+    "SyncScripts",
+    "options",
+    "source",
+    "verdict",
+]
+
+# What the scripts answer (the first element of their reply), one type per script.
+SubmitVerdict = Literal["accepted", "duplicate", "queue_full", "no_workers", "over_quota"]
+CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "not_found"]
+# ``duplicate``: already final (another worker or a cancel reported it); ``gone``: no
+# such task any more.
+FinishVerdict = Literal["ok", "duplicate", "gone"]
+# ``released``: queued again. With a fault (a lost attempt): ``requeued``, or
+# ``failed`` once the budget is spent. ``canceled``: a cancel was pending. Otherwise the
+# RQ status it already had, or ``gone`` when this worker no longer held it.
+ReleaseVerdict = Literal[
+    "released", "requeued", "failed", "canceled", "gone", "queued", "finished", "stopped"
+]
+
+NAMES = (
+    "submit",
+    "claim",
+    "finish",
+    "release",
+    "cancel",
+    "get",
+    "heartbeat",
+    "reap",
+    "register",
+    "unregister",
+    "ratelimit",
+    "gpu_lease",
+    "unpark",
+)
+
+
+@cache
+def source(name: str) -> str:
+    """Full text of script ``name`` as sent to Redis."""
+    lua = resources.files("dispatcher.contract") / "lua"
+    prelude = (lua / "_prelude.lua").read_text()
+    body = (lua / f"{name}.lua").read_text()
+    return f"-- gpulane:{name}\n{keys.lua_prelude()}{prelude}\n{body}"
+
+
+def verdict(value: bytes | str, allowed: Any) -> Any:
+    """A script's verdict, checked against its ``Literal`` type: a script and its
+    caller that disagree fail loudly here, not somewhere downstream."""
+    text = value.decode() if isinstance(value, bytes) else value
+    if text not in allowed.__args__:
+        raise ValueError(f"unexpected script verdict {text!r}")
+    return cast(Any, text)
+
+
+def options(**values: Any) -> str:
+    """Encode a script's options object (``ARGV[1]``)."""
+    return json.dumps(values, separators=(",", ":"))
+
+
+@dataclass
+class SyncScripts:
+    """The scripts bound to a synchronous client (workers)."""
+
+    client: Redis
+    _bound: dict[str, Script] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in NAMES:
+            self._bound[name] = self.client.register_script(source(name))
+
+    def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
+        return self._bound[name](keys=[], args=[opts, *payload])

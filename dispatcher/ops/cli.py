@@ -1,0 +1,224 @@
+"""The `gpulane` command: up, api, worker, submit, status."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dispatcher.contract.exits import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from dispatcher.contract.logs import configure_logging
+from dispatcher.contract.settings import Settings, SettingsError, load_settings
+
+__all__ = ["main"]
+
+log = logging.getLogger("gpulane")
+
+
+def _csv(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpulane", description="GPU job dispatcher.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Redis, the API and one worker per GPU on this machine")
+    up.add_argument(
+        "--workers", default="auto", help="N, or auto: one per GPU (cpu_workers without GPUs)"
+    )
+    up.add_argument("--host")
+    up.add_argument("--port", type=int)
+    up.add_argument("--redis-url", help="use this Redis instead of a private one")
+    up.add_argument("--data-dir", type=Path)
+
+    api = sub.add_parser("api", help="run the HTTP API")
+    api.add_argument("--host")
+    api.add_argument("--port", type=int)
+    api.add_argument("--redis-url")
+    api.add_argument("--workers", type=int, dest="api_workers", help="API processes (default 1)")
+    api.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # a socket `gpulane up` holds
+
+    worker = sub.add_parser("worker", help="run one worker process")
+    worker.add_argument(
+        "--gpu",
+        default="auto",
+        help="auto: claim a free GPU (wait if all are claimed); none: the cpu; an index or "
+        "UUID: claim that GPU (wait while another worker holds it)",
+    )
+    worker.add_argument(
+        "--per-gpu",
+        type=int,
+        metavar="K",
+        help="up to K workers share one GPU (default: GPULANE_PER_GPU, 1)",
+    )
+    worker.add_argument("--classes", type=_csv, help="classes to serve (default: all)")
+    worker.add_argument("--tasks", type=_csv, help="task modules to load (default: built-ins)")
+    worker.add_argument("--name", help="worker name (default: host.pid)")
+    worker.add_argument("--redis-url")
+
+    submit = sub.add_parser("submit", help="submit a task (a document, or --type/--args)")
+    submit.add_argument("file", nargs="?", type=Path)
+    submit.add_argument("--type")
+    submit.add_argument("--class", dest="cls")
+    submit.add_argument("--args", type=json.loads, help="JSON object of arguments")
+    submit.add_argument("--timeout", type=float, help="run-time limit in seconds")
+    submit.add_argument("--wait", action="store_true", help="wait and print the result")
+    submit.add_argument("--url", help="API URL (default: GPULANE_API_URL or the local `up`)")
+
+    status = sub.add_parser("status", help="show classes and workers")
+    status.add_argument("--watch", action="store_true", help="refresh every second")
+    status.add_argument("--url")
+    return parser
+
+
+def _settings(ns: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        key: getattr(ns, key, None)
+        for key in ("host", "port", "redis_url", "data_dir", "api_workers")
+    }
+    return load_settings(**overrides)
+
+
+def _cmd_up(ns: argparse.Namespace, settings: Settings) -> int:
+    from dispatcher.ops.supervisor import Supervisor, UpError
+
+    if ns.workers != "auto" and not (ns.workers.isdigit() and int(ns.workers) >= 1):
+        print("gpulane up: --workers takes a positive number or auto", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return Supervisor(settings, ns.workers).run()
+    except (UpError, RuntimeError) as exc:
+        print(f"gpulane up: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False
+
+
+def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    from dispatcher.api.app import create_app
+
+    if not settings.tenants and not _loopback(settings.host):
+        log.warning(
+            "serving on %s with no API keys: anyone who reaches this port can submit tasks",
+            settings.host,
+        )
+    where: dict[str, Any] = (
+        {"fd": ns.fd} if ns.fd is not None else {"host": settings.host, "port": settings.port}
+    )
+    common: dict[str, Any] = {
+        "log_config": None,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+    }
+    if settings.api_workers == 1:
+        uvicorn.run(create_app(settings), **where, **common)
+        return EXIT_OK
+    # Several processes share the socket; each builds its app from the environment, so
+    # the flags given here must reach them there.
+    for key in ("host", "port", "redis_url"):
+        value = getattr(ns, key, None)
+        if value is not None:
+            os.environ[f"GPULANE_{key.upper()}"] = str(value)
+    uvicorn.run(
+        "dispatcher.api.app:app_from_environment",
+        factory=True,
+        workers=settings.api_workers,
+        **where,
+        **common,
+    )
+    return EXIT_OK
+
+
+def _cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
+    from worker.main import run_worker
+
+    if ns.per_gpu is not None and ns.per_gpu < 1:
+        print("gpulane worker: --per-gpu takes a positive number", file=sys.stderr)
+        return EXIT_USAGE
+    return run_worker(
+        settings,
+        gpu=ns.gpu,
+        classes=ns.classes,
+        tasks=ns.tasks,
+        name=ns.name,
+        per_gpu=ns.per_gpu,
+    )
+
+
+def _api_url(ns: argparse.Namespace, settings: Settings) -> str:
+    from dispatcher.ops.supervisor import read_up_file
+
+    if ns.url:
+        return str(ns.url)
+    if settings.api_url:
+        return settings.api_url
+    running = read_up_file(settings.data_dir)
+    return str(running["url"]) if running else f"http://{settings.host}:{settings.port}"
+
+
+def _cmd_submit(ns: argparse.Namespace, settings: Settings) -> int:
+    from dispatcher.client import Client
+    from dispatcher.ops.submit import submit_and_report
+
+    if ns.file is None and ns.type is None:
+        print("gpulane submit: give a FILE or --type", file=sys.stderr)
+        return EXIT_USAGE
+    with Client(_api_url(ns, settings), settings.api_key) as client:
+        return submit_and_report(client, ns.file, ns.type, ns.cls, ns.args, ns.timeout, ns.wait)
+
+
+def _cmd_status(ns: argparse.Namespace, settings: Settings) -> int:
+    import httpx
+
+    from dispatcher.client import Client, GpulaneError
+    from dispatcher.ops.status import show_status
+
+    url = _api_url(ns, settings)
+    try:
+        with Client(url, settings.api_key, max_retries=1) as client:
+            show_status(client, ns.watch)
+    except (httpx.HTTPError, GpulaneError) as exc:
+        print(f"gpulane status: cannot read {url}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "up": _cmd_up,
+    "api": _cmd_api,
+    "worker": _cmd_worker,
+    "submit": _cmd_submit,
+    "status": _cmd_status,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        settings = _settings(ns)
+    except SettingsError as exc:
+        print(f"gpulane: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(settings.log_level, settings.log_format)
+    return _COMMANDS[ns.command](ns, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Process helpers shared by the tests and the benchmarks (repository only, not
+installed): real redis-server, API and worker processes, and waiting on conditions."""
+
+from testkit.procs import (
+    FAKE_NVML,
+    REPO,
+    TEST_TASKS,
+    ApiServer,
+    RedisServer,
+    WaitTimeout,
+    WorkerProcess,
+    fake_gpu_env,
+    free_port,
+    publish_catalog,
+    redis_argv,
+    wait_for,
+    worker_env,
+)
+
+__all__ = [
+    "FAKE_NVML",
+    "REPO",
+    "TEST_TASKS",
+    "ApiServer",
+    "RedisServer",
+    "WaitTimeout",
+    "WorkerProcess",
+    "fake_gpu_env",
+    "free_port",
+    "publish_catalog",
+    "redis_argv",
+    "wait_for",
+    "worker_env",
+]
