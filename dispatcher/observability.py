@@ -17,9 +17,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
+from redis.exceptions import RedisError
 
 from dispatcher.errors import ApiError
-from dispatcher.exporter import pool_families, read_recorded, render
+from dispatcher.exporter import pool_families, read_recorded, redis_families, render
 from dispatcher.routes import caller, services
 from dispatcher.stats import LatencyWindow, class_stats, latency_by_class
 
@@ -79,9 +80,15 @@ async def metrics(request: Request) -> Response:
     if not (await caller(request)).admin:
         raise ApiError(404, "not_found", "No route /metrics for this key.")
     # Gauges from the snapshot the maintenance loop refreshes every heartbeat: the
-    # counters beside them are that fresh anyway, and a scrape costs one HGETALL.
-    recorded, snap = await asyncio.gather(read_recorded(svc.client), svc.pool.cached())
-    body, content_type = render(pool_families(recorded, snap), request.headers.get("accept", ""))
+    # counters beside them are that fresh anyway; a scrape costs one HGETALL and one INFO.
+    try:
+        recorded, snap, memory = await asyncio.gather(
+            read_recorded(svc.client), svc.pool.cached(), svc.client.info("memory")
+        )
+        families = [*pool_families(recorded, snap), *redis_families(memory)]
+    except RedisError:  # still a 200: gpulane_redis_up 0 is what an alert needs
+        families = redis_families(None)
+    body, content_type = render(families, request.headers.get("accept", ""))
     return Response(body, headers={"Content-Type": content_type})
 
 
