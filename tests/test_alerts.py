@@ -22,12 +22,12 @@ try:
     from support.observe import promtool_check, scrape
     from support.servers import ApiServer, free_port, wait_for
 except ImportError:  # tests/support moved to testkit/
-    from testkit.observe import promtool_check, scrape  # type: ignore[no-redef]
-    from testkit.servers import ApiServer, free_port, wait_for  # type: ignore[no-redef]
+    from testkit.observe import promtool_check, scrape  # type: ignore[no-redef,import-not-found,unused-ignore]
+    from testkit.servers import ApiServer, free_port, wait_for  # type: ignore[no-redef,import-not-found,unused-ignore]
 try:
     from dispatcher.settings import Settings
 except ImportError:  # the layout after dispatcher/ was split into packages
-    from dispatcher.contract.settings import Settings  # type: ignore[no-redef]
+    from dispatcher.contract.settings import Settings  # type: ignore[no-redef,import-not-found,unused-ignore]
 
 PROMETHEUS = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
 RULES = PROMETHEUS / "gpulane.rules.yml"
@@ -129,7 +129,7 @@ def test_the_rule_tests_fail_without_the_alert(alert: str, tmp_path: Path) -> No
 @pytest.fixture
 def maxmemory(r: redis.Redis) -> Iterator[int]:
     """The test Redis with a maxmemory for the test (noeviction, as always)."""
-    before = r.config_get("maxmemory")["maxmemory"]
+    before = str(r.config_get("maxmemory")["maxmemory"])
     r.config_set("maxmemory", 512 * 1024 * 1024)
     yield 512 * 1024 * 1024
     r.config_set("maxmemory", before)

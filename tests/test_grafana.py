@@ -26,7 +26,7 @@ from dispatcher.metrics import Recorder
 try:
     from support.servers import ApiServer, fake_gpu_env, free_port, wait_for
 except ImportError:  # tests/support moved to testkit/
-    from testkit.servers import (  # type: ignore[no-redef]
+    from testkit.servers import (  # type: ignore[no-redef,import-not-found,unused-ignore]
         ApiServer,
         fake_gpu_env,
         free_port,
@@ -164,7 +164,7 @@ class Prometheus:
 @pytest.fixture
 def maxmemory(r: redis.Redis) -> Iterator[None]:
     """The test Redis with a maxmemory, as deploy/k8s runs it (noeviction as always)."""
-    before = r.config_get("maxmemory")["maxmemory"]
+    before = str(r.config_get("maxmemory")["maxmemory"])
     r.config_set("maxmemory", 512 * 1024 * 1024)
     yield
     r.config_set("maxmemory", before)

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import jsonschema
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import yaml
 from conftest import WorkerFactory, submit, wait_status
@@ -33,11 +33,11 @@ from dispatcher import keys
 try:
     from dispatcher.settings import Settings
 except ImportError:  # the layout after dispatcher/ was split into packages
-    from dispatcher.contract.settings import Settings  # type: ignore[no-redef]
+    from dispatcher.contract.settings import Settings  # type: ignore[no-redef,import-not-found,unused-ignore]
 try:
     from support.servers import ApiServer, free_port
 except ImportError:  # tests/support moved to testkit/
-    from testkit.servers import ApiServer, free_port  # type: ignore[no-redef]
+    from testkit.servers import ApiServer, free_port  # type: ignore[no-redef,import-not-found,unused-ignore]
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "deploy" / "k8s"
