@@ -12,8 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import WorkerFactory
 
 from worker.probe import check, main, read_health, write_health
+
+try:
+    from support.servers import wait_for
+except ImportError:  # tests/support moved to testkit/
+    from testkit.servers import wait_for  # type: ignore[no-redef,import-not-found,unused-ignore]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,3 +171,25 @@ def test_the_command_fails_without_a_health_file_setting(tmp_path: Path) -> None
     assert "GPULANE_HEALTH_FILE" in result.stdout
     assert _probe("live", GPULANE_HEALTH_FILE=str(tmp_path / "none.json")).returncode == 1
     assert _probe("bogus").returncode == 2
+
+
+@pytest.mark.xfail(strict=True, reason="the worker heartbeat does not call write_health yet")
+def test_a_real_worker_passes_its_probes_until_it_stops(
+    tmp_path: Path, start_worker: WorkerFactory
+) -> None:
+    """A serving worker with GPULANE_HEALTH_FILE is live and ready; once it has stopped
+    it is neither. (Strict xfail: remove the mark once the heartbeat writes the file.)"""
+    path = tmp_path / "health.json"
+    worker = start_worker(env={"GPULANE_HEALTH_FILE": str(path)})  # returns once serving
+    wait_for(path.exists, 2, what="the first health file")
+    env = {
+        "GPULANE_HEALTH_FILE": str(path),
+        "GPULANE_HEARTBEAT_INTERVAL_S": "0.2",  # the worker's (FAST): max age 0.6 s
+        "GPULANE_LEASE_TTL_S": "1.0",
+    }
+    assert read_health(path).name == worker.name
+    wait_for(lambda: _probe("ready", **env).returncode == 0, 10, what="the ready probe")
+    assert _probe("live", **env).returncode == 0
+    assert worker.terminate() == 0
+    wait_for(lambda: _probe("live", **env).returncode == 1, 10, what="the live probe to fail")
+    assert _probe("ready", **env).returncode == 1
