@@ -43,6 +43,10 @@ GAUGES = {
     "gpulane_gpu_memory_total_bytes",
     "gpulane_gpu_temperature_celsius",
     "gpulane_gpu_power_watts",
+    "gpulane_class_workers",
+    "gpulane_redis_up",
+    "gpulane_redis_memory_used_bytes",
+    "gpulane_redis_maxmemory_bytes",
 }
 HISTOGRAMS = {
     "gpulane_queue_wait_seconds": ("class",),

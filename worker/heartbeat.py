@@ -22,6 +22,7 @@ from dispatcher.contract.settings import Settings
 from worker.broker import Broker
 from worker.execute import GpuFault, Interrupts, Runner
 from worker.gpu.sampler import DeviceWatch
+from worker.probe import write_health
 from worker.state import WorkerState
 from worker.watchdog import Watchdog
 
@@ -88,7 +89,21 @@ class Heartbeat:
                     self._outage_since = None
                 backoff.reset()
                 delay = self.settings.heartbeat_interval_s
+            self._write_health()
             self.watchdog.check()
+
+    def _write_health(self) -> None:
+        """The file Kubernetes' exec probes read (``python -m worker.probe``). Written on
+        every pass, Redis or not: a Redis outage must not restart every worker."""
+        path = self.settings.health_file
+        if path is None:
+            return
+        state = self.state.state
+        ready = state in ("idle", "busy") and self._outage_since is None
+        try:
+            write_health(path, state, ready, self.state.name)
+        except OSError as exc:
+            log.warning("cannot write the health file %s: %s", path, exc)
 
     def _note_outage(self, exc: RedisError) -> None:
         if self._outage_since is None:

@@ -35,7 +35,15 @@ from dispatcher.contract import keys
 from dispatcher.contract.metrics import BUCKETS, COUNTERS, HISTOGRAMS, le_text
 from dispatcher.contract.workers import WORKER_STATES
 
-__all__ = ["Histogram", "Recorded", "parse", "pool_families", "read_recorded", "render"]
+__all__ = [
+    "Histogram",
+    "Recorded",
+    "parse",
+    "pool_families",
+    "read_recorded",
+    "redis_families",
+    "render",
+]
 
 Labels = tuple[str, ...]
 
@@ -190,10 +198,16 @@ def _pool_gauges(snap: Snapshot) -> Iterator[Metric]:
     running = GaugeMetricFamily(
         "gpulane_tasks_running", "Tasks running per class.", labels=("class",)
     )
+    serving = GaugeMetricFamily(
+        "gpulane_class_workers",
+        "Live workers serving each class (idle or busy).",
+        labels=("class",),
+    )
     for cls, class_state in snap.classes.items():
         depth.add_metric((cls,), class_state.depth)
         running.add_metric((cls,), class_state.running)
-    yield from (depth, running)
+        serving.add_metric((cls,), class_state.workers)
+    yield from (depth, running, serving)
     states = Counter({state: 0 for state in WORKER_STATES})
     states.update(str(w["state"]) for w in snap.workers)
     workers = GaugeMetricFamily("gpulane_workers", "Live workers by state.", labels=("state",))
@@ -201,6 +215,21 @@ def _pool_gauges(snap: Snapshot) -> Iterator[Metric]:
         workers.add_metric((state,), n)
     yield workers
     yield from _device_gauges(snap.workers)
+
+
+def redis_families(memory: Mapping[str, Any] | None) -> list[Metric]:
+    """Whether this replica reaches Redis and, when it does, Redis' memory against its
+    ``maxmemory`` (0: no limit) from ``INFO memory``; ``memory`` is None when Redis is
+    unreachable, and ``gpulane_redis_up`` is then the one gpulane series exported."""
+    up = GaugeMetricFamily("gpulane_redis_up", "1 when this API replica reaches Redis, else 0.")
+    up.add_metric((), 0.0 if memory is None else 1.0)
+    if memory is None:
+        return [up]
+    used = GaugeMetricFamily("gpulane_redis_memory_used_bytes", "Memory Redis uses.")
+    used.add_metric((), float(memory["used_memory"]))
+    limit = GaugeMetricFamily("gpulane_redis_maxmemory_bytes", "Redis maxmemory; 0: no limit.")
+    limit.add_metric((), float(memory.get("maxmemory", 0)))
+    return [up, used, limit]
 
 
 def pool_families(recorded: Recorded, snap: Snapshot) -> list[Metric]:

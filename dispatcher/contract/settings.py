@@ -154,6 +154,11 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a task that ignores its timeout may run on before its worker exits.",
     )
+    health_file: Path | None = Field(
+        None,
+        description="Worker: a JSON file rewritten every heartbeat for `python -m worker.probe` "
+        "(Kubernetes exec probes); unset: none.",
+    )
 
     # Worker pool.
     cpu_workers: int = Field(2, ge=1, description="Workers `up --workers auto` starts with no GPU.")

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from dispatcher.api.deps import caller, services
 from dispatcher.api.errors import STORE_RETRY_AFTER_S, ApiError, error_body
-from dispatcher.api.exporter import pool_families, read_recorded, render
+from dispatcher.api.exporter import pool_families, read_recorded, redis_families, render
 from dispatcher.api.stats import LatencyWindow, class_stats, latency_by_class
 from dispatcher.contract.workers import NOT_SERVING
 
@@ -82,9 +82,15 @@ async def metrics(request: Request) -> Response:
     if not (await caller(request)).admin:
         raise ApiError(404, "not_found", "No route /metrics for this key.")
     # Gauges from the snapshot the maintenance loop refreshes every heartbeat: the
-    # counters beside them are that fresh anyway, and a scrape costs one HGETALL.
-    recorded, snap = await asyncio.gather(read_recorded(svc.client), svc.pool.cached())
-    body, content_type = render(pool_families(recorded, snap), request.headers.get("accept", ""))
+    # counters beside them are that fresh anyway; a scrape costs one HGETALL and one INFO.
+    try:
+        recorded, snap, memory = await asyncio.gather(
+            read_recorded(svc.client), svc.pool.cached(), svc.client.info("memory")
+        )
+        families = [*pool_families(recorded, snap), *redis_families(memory)]
+    except RedisError:  # still a 200: gpulane_redis_up 0 is what an alert needs
+        families = redis_families(None)
+    body, content_type = render(families, request.headers.get("accept", ""))
     return Response(body, headers={"Content-Type": content_type})
 
 
