@@ -17,7 +17,7 @@ import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 from support.catalog import tenant
-from support.observe import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, fake_gpu_worker
+from support.observe import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, fake_gpu_load, fake_gpu_worker
 
 from dispatcher.contract.settings import ClassConfig, Settings
 from testkit import REPO, ApiServer, wait_for
@@ -87,6 +87,30 @@ def pool_settings(redis_url: str) -> Settings:
     )
 
 
+@pytest.fixture
+def gpu_load(r: redis.Redis) -> Iterator[list[str]]:
+    """Two simulated GPU workers (interactive only, busy, load rising and falling), so
+    the live page and its screenshot show GPU history next to the real cpu workers."""
+    names = ["gpu-worker-a", "gpu-worker-b"]
+    with fake_gpu_load(r, names, ("interactive",)):
+        yield names
+
+
+def _row(view: Watched, worker: str) -> str:
+    return view.page.locator("#worker-rows tr", has_text=worker).inner_text()
+
+
+def _spark(view: Watched, worker: str, metric: str) -> tuple[int, str, int]:
+    """A worker's history chart: (samples it holds, its description, points drawn)."""
+    chart = view.page.locator("#worker-rows tr", has_text=worker).locator(f"svg.spark-{metric}")
+    # One read of one element: the page redraws the rows every second.
+    samples, label, points = chart.evaluate(
+        "n => [n.dataset.samples, n.getAttribute('aria-label'),"
+        " n.querySelector('polyline')?.getAttribute('points') || '']"
+    )
+    return int(samples), str(label), len(str(points).split())
+
+
 def _submit_burst(http: httpx.Client, count: int, seconds: float) -> None:
     for _ in range(count):
         http.post("/tasks", json={"type": "sleep", "class": "batch", "args": {"seconds": seconds}})
@@ -98,6 +122,7 @@ def test_dashboard_shows_the_live_pool(
     start_worker: WorkerFactory,
     browser: Browser,
     request: pytest.FixtureRequest,
+    gpu_load: list[str],
 ) -> None:
     api = api_factory(pool_settings)
     start_worker("cpu-worker-1")
@@ -131,9 +156,18 @@ def test_dashboard_shows_the_live_pool(
         )
 
     view.wait(depth_shown_matches_api, "the live batch depth on the page")
-    view.wait(lambda: view.text("#worker-rows").count("busy") == 2, "both workers busy")
-    rows = view.text("#worker-rows")
-    assert rows.count("n/a (cpu)") == 4 and "gpu" not in rows  # cpu devices, shown as such
+    view.wait(
+        lambda: all("busy" in _row(view, w) for w in ("cpu-worker-1", "cpu-worker-2")),
+        "both cpu workers busy",
+    )
+    for cpu in ("cpu-worker-1", "cpu-worker-2"):  # cpu devices, shown as such
+        assert _row(view, cpu).count("n/a (cpu)") == 2 and "gpu" not in _row(view, cpu)
+    # Each GPU worker's utilization and memory over the last minutes, one sample a poll.
+    for gpu in gpu_load:
+        for metric in ("util", "mem"):
+            samples, label, drawn = _spark(view, gpu, metric)
+            assert samples >= 8 and drawn == samples, (gpu, metric, samples, drawn)
+            assert "over the last" in label and "min " in label and "max " in label
     assert view.card_value("interactive", "succeeded") == "8"
     assert view.card_value("interactive", "failed") == "1"
     assert view.card_value("interactive", "p50") not in ("", NO_VALUE)
@@ -177,6 +211,21 @@ def test_dashboard_asks_for_a_key_and_draws_gpu_bars(
     row = view.text("#worker-rows")
     assert "gpu0 · NVIDIA H100 80GB HBM3" in row and "12.0 / 80.0 GiB" in row and "42%" in row
     assert view.page.locator("#key-form").is_hidden()
+
+    # The history under each bar keeps the samples the page saw, not only the latest.
+    view.wait(lambda: _spark(view, "gpu-sim", "util")[0] >= 2, "two utilization samples")
+    for util, used in ((0.9, 60 * GiB), (0.1, 8 * GiB)):
+        fake_gpu_worker(r, "gpu-sim", utilization=util, used_bytes=used, total_bytes=80 * GiB)
+        view.wait(
+            lambda u=util: f"now {round(u * 100)}%" in _spark(view, "gpu-sim", "util")[1],
+            f"the {util:.0%} sample in the history",
+        )
+    samples, label, drawn = _spark(view, "gpu-sim", "util")
+    assert samples >= 4 and drawn == samples
+    assert "min 10%" in label and "max 90%" in label and label.endswith("now 10%")
+    samples, label, drawn = _spark(view, "gpu-sim", "mem")
+    assert samples >= 4 and drawn == samples
+    assert "min 10%" in label and "max 75%" in label  # 8 and 60 of 80 GiB
     assert view.errors == []
     ARTIFACTS.mkdir(exist_ok=True)
     view.page.screenshot(path=str(ARTIFACTS / "dashboard-gpu-dark.png"), full_page=True)

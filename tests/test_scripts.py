@@ -27,7 +27,10 @@ def _submit(s: SyncScripts, cls: str = "batch") -> str:
 
 
 def _register(s: SyncScripts, worker: str) -> None:
-    opts = options(**lease_options(SETTINGS), worker=worker, info={"state": "idle"}, catalog={})
+    rq = {"fields": {"state": "idle"}, "queues": CLASSES, "execution": None}
+    opts = options(
+        **lease_options(SETTINGS), worker=worker, info={"state": "idle"}, catalog={}, rq=rq
+    )
     assert s.run("register", opts)[0] == b"ok"
 
 

@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ResponseError
 
+from dispatcher import __version__
 from dispatcher.contract import keys
 from dispatcher.contract.metrics import Drained
 from dispatcher.contract.reaper import Reaped, lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import Settings
+from dispatcher.contract.workers import RqCurrent, rq_worker_view
 
 __all__ = ["Broker", "Claimed"]
 
@@ -53,6 +56,16 @@ class Broker:
             for cls, cfg in settings.classes.items()
             if cfg.promote_after_s is not None and cls in classes
         }
+        self._address: str | None = None  # as Redis sees this client, for RQ's registry
+
+    def _rq_view(self, info: dict[str, str], current: RqCurrent | None) -> dict[str, Any]:
+        """The worker as RQ's worker registry shows it (``rq info``, rq-dashboard)."""
+        if self._address is None:
+            try:  # as RQ's own workers find theirs; CLIENT INFO needs Redis 6.2
+                self._address = str(self.client.client_info()["addr"])
+            except ResponseError:
+                self._address = "unknown"
+        return rq_worker_view(info, self.classes, current, self._address, f"gpulane {__version__}")
 
     def _lease_opts(self) -> dict[str, Any]:
         return {**lease_options(self.settings), "worker": self.name}
@@ -64,6 +77,7 @@ class Broker:
             **self._lease_opts(),
             info=info,
             catalog={name: json.dumps(entry) for name, entry in catalog.items()},
+            rq=self._rq_view(info, None),
         )
         reply = self._scripts.run("register", opts)
         if _text(reply[0]) == "name_in_use":
@@ -173,14 +187,16 @@ class Broker:
         self.client.hset(keys.job(task_id), "progress", value)
 
     def heartbeat(
-        self, info: dict[str, str], drained: Drained, tau_s: float
+        self, info: dict[str, str], current: RqCurrent | None, drained: Drained, tau_s: float
     ) -> tuple[bool, list[str]]:
-        """Renew the lease and flush metrics. Returns (lease was live, ids to cancel)."""
+        """Renew the lease, publish the worker (``current``: the task it runs) and flush
+        metrics. Returns (lease was live, ids to cancel)."""
         opts = options(
             worker=self.name,
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             tau_s=tau_s,
             info=info,
+            rq=self._rq_view(info, current),
             counters=drained.counters,
             floats=drained.floats,
             runs=drained.runs,

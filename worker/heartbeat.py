@@ -19,6 +19,7 @@ from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
+from dispatcher.contract.workers import RqCurrent
 from worker.broker import Broker
 from worker.execute import GpuFault, Interrupts, Runner
 from worker.gpu.sampler import DeviceWatch
@@ -118,7 +119,9 @@ class Heartbeat:
         record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
         drained = self.recorder.drain()
         try:
-            renewed, cancels = self.broker.heartbeat(self.state.info(), drained, RUN_TIME_TAU_S)
+            renewed, cancels = self.broker.heartbeat(
+                self.state.info(), self._current(), drained, RUN_TIME_TAU_S
+            )
         except RedisError:
             self.recorder.restore(drained)
             raise
@@ -130,6 +133,13 @@ class Heartbeat:
             log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
             self.runner.cancel(task_id)
         self._renew_gpu()
+
+    def _current(self) -> RqCurrent | None:
+        """The task running now, for RQ's worker registry."""
+        ctx = self.runner.current
+        if ctx is None:
+            return None
+        return RqCurrent(ctx.task_id, ctx.attempt, ctx.claimed.started_ms)
 
     def _renew_gpu(self) -> None:
         slot = self.gpu_slot

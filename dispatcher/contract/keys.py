@@ -10,6 +10,18 @@ RQ's own keys (kept in RQ's format so ``rq info``, rq-dashboard and KEDA see the
     rq:job:<id>                      HASH   the task: RQ's job fields plus gpulane's
                                             (field list in dispatcher.contract.jobs)
 
+RQ's worker registry (RQ 3's format, so ``rq info``, rq-dashboard and ``Worker.all``
+list gpulane's workers; written by register/heartbeat, removed with the worker by
+unregister and the reaper; every key expires one lease after the last heartbeat)::
+
+    rq:workers                       SET    keys rq:worker:<name> of live workers
+    rq:workers:<class>               SET    the same, per queue the worker serves
+    rq:worker:<name>                 HASH   RQ's worker fields (birth, last_heartbeat,
+                                            queues, state, current_job, pid, hostname,
+                                            ...; list in dispatcher.contract.workers)
+    rq:worker:<name>:executions      SET    <task id>:<attempt> of the running task
+    rq:execution:<id>:<attempt>      HASH   RQ's execution record of that run
+
 gpulane's keys::
 
     gpulane:file:<id>                STRING uploaded document bytes; deleted at the end
@@ -51,6 +63,7 @@ __all__ = [
     "REAPER_LAST",
     "REAPER_LOCK",
     "RQ_QUEUES",
+    "RQ_WORKERS",
     "WORKERS",
     "control",
     "file",
@@ -62,6 +75,10 @@ __all__ = [
     "lua_prelude",
     "queue",
     "rate",
+    "rq_execution",
+    "rq_worker",
+    "rq_worker_executions",
+    "rq_workers_of",
     "stats",
     "tenant_tasks",
     "wake",
@@ -72,6 +89,7 @@ _RQ = "rq:"
 _P = "gpulane:"
 
 RQ_QUEUES = _RQ + "queues"
+RQ_WORKERS = _RQ + "workers"
 CATALOG = _P + "catalog"
 WORKERS = _P + "workers"
 METRICS = _P + "metrics"
@@ -83,6 +101,10 @@ REAPER_LAST = _P + "reaper:last"
 _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "queue": (_RQ + "queue:", ("cls",), ""),
     "job": (_RQ + "job:", ("task_id",), ""),
+    "rq_worker": (_RQ + "worker:", ("name",), ""),
+    "rq_workers_of": (_RQ + "workers:", ("cls",), ""),
+    "rq_worker_executions": (_RQ + "worker:", ("name",), ":executions"),
+    "rq_execution": (_RQ + "execution:", ("task_id", "attempt"), ""),
     "file": (_P + "file:", ("task_id",), ""),
     "worker": (_P + "worker:", ("name",), ""),
     "inflight": (_P + "inflight:", ("name", "cls"), ""),
@@ -108,6 +130,22 @@ def queue(cls: str) -> str:
 
 def job(task_id: str) -> str:
     return _build("job", task_id)
+
+
+def rq_worker(name: str) -> str:
+    return _build("rq_worker", name)
+
+
+def rq_workers_of(cls: str) -> str:
+    return _build("rq_workers_of", cls)
+
+
+def rq_worker_executions(name: str) -> str:
+    return _build("rq_worker_executions", name)
+
+
+def rq_execution(task_id: str, attempt: int) -> str:
+    return _build("rq_execution", task_id, str(attempt))
 
 
 def file(task_id: str) -> str:
@@ -162,6 +200,7 @@ def lua_prelude() -> str:
         lines.append(f"function K.{name}({', '.join(args)}) return '{prefix}' .. {body} end")
     for name, value in (
         ("RQ_QUEUES", RQ_QUEUES),
+        ("RQ_WORKERS", RQ_WORKERS),
         ("CATALOG", CATALOG),
         ("WORKERS", WORKERS),
         ("METRICS", METRICS),

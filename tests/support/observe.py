@@ -4,9 +4,14 @@ worker, headless Chromium, and reading JSON log files."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
+import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,13 +103,15 @@ def fake_gpu_worker(
     used_bytes: int,
     total_bytes: int,
     index: int = 0,
+    classes: tuple[str, ...] = ("interactive", "batch"),
+    busy: bool = False,
 ) -> None:
     """Publish a live worker on a GPU without one: the worker hash is built by the real
     WorkerState, so only NVML's sample is made up. Its lease lasts an hour (it never
-    beats, and must not be reaped during the test)."""
+    beats, and must not be reaped during the test). Call again to publish a new sample."""
     device = Device("gpu", index, f"GPU-{index:04d}-test", "NVIDIA H100 80GB HBM3", total_bytes)
-    state = WorkerState(name, device, ["interactive", "batch"], ["echo", "sleep"])
-    state.set("idle")
+    state = WorkerState(name, device, list(classes), ["echo", "sleep"])
+    state.set("busy" if busy else "idle")
     state.device_sample = {
         "utilization": utilization,
         "memory_used_bytes": used_bytes,
@@ -122,3 +129,36 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     text = path.read_text(errors="replace")
     complete = text[: text.rfind("\n") + 1]
     return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+@contextmanager
+def fake_gpu_load(
+    client: redis.Redis, names: list[str], classes: tuple[str, ...], period_s: float = 0.25
+) -> Iterator[None]:
+    """Simulated busy GPU workers whose utilization and memory rise and fall (a slow
+    wave, one phase per worker), republished every ``period_s`` while the block runs:
+    what the dashboard's GPU history draws. Each holds a made-up task in its in-flight
+    list of ``classes[0]`` (the API reads busy/idle there); nothing runs it."""
+    stop = threading.Event()
+    total = 80 * 2**30
+    for name in names:
+        client.rpush(keys.inflight(name, classes[0]), str(uuid.uuid4()))
+
+    def publish() -> None:
+        start = time.monotonic()
+        while not stop.is_set():
+            t = time.monotonic() - start
+            for i, name in enumerate(names):
+                wave = math.sin(t / 2.5 + 2.1 * i)
+                util = 0.6 + 0.35 * wave * (1 if i % 2 == 0 else 0.6)
+                used = int(total * (0.45 + 0.15 * i + 0.1 * math.sin(t / 6 + i)))
+                fake_gpu_worker(client, name, util, used, total, i, classes, busy=True)
+            stop.wait(period_s)
+
+    thread = threading.Thread(target=publish, name="fake-gpu-load", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)

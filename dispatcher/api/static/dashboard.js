@@ -1,6 +1,6 @@
 // gpulane live dashboard: polls the same JSON routes as any client (/queues,
-// /workers, /stats) and keeps its own short history for the queue chart, so the
-// server stores nothing for it. Text goes in through textContent only: worker
+// /workers, /stats) and keeps its own short history for the queue chart and each
+// GPU's utilization and memory, so the server stores nothing for it. Text goes in through textContent only: worker
 // names and task ids are data, never markup.
 "use strict";
 
@@ -13,6 +13,7 @@ const state = {
   key: sessionStorage.getItem(KEY_STORE) || "",
   history: [], // {t, depth: {class: n}, rejected: {class: n}}
   classes: [],
+  gpus: new Map(), // worker name -> [{t, util, mem}] (fractions; null: no sample)
 };
 
 const $ = (id) => document.getElementById(id);
@@ -88,6 +89,7 @@ async function poll() {
     ]);
     $("key-form").hidden = true;
     remember(queues, stats);
+    rememberGpus(workers);
     renderTotals(queues, workers);
     renderChart();
     renderClasses(queues, stats);
@@ -124,6 +126,29 @@ function remember(queues, stats) {
   state.classes = queues.classes.map((c) => c.name);
   state.history.push({ t: now, depth, rejected });
   while (state.history.length && now - state.history[0].t > HISTORY_MS) state.history.shift();
+}
+
+// One sample per poll and GPU worker, for the sparklines in the worker rows. A worker
+// that left keeps its samples until they age out, so a restart continues its line.
+function rememberGpus(workers) {
+  const now = Date.now();
+  for (const w of workers ? workers.workers : []) {
+    const d = w.device;
+    if (!d || d.kind !== "gpu") continue;
+    const total = d.memory_total_bytes;
+    const used = d.memory_used_bytes;
+    const sample = {
+      t: now,
+      util: d.utilization ?? null,
+      mem: total && used != null ? used / total : null,
+    };
+    if (!state.gpus.has(w.name)) state.gpus.set(w.name, []);
+    state.gpus.get(w.name).push(sample);
+  }
+  for (const [name, samples] of state.gpus) {
+    while (samples.length && now - samples[0].t > HISTORY_MS) samples.shift();
+    if (!samples.length) state.gpus.delete(name);
+  }
 }
 
 // ---- header totals ----
@@ -313,14 +338,63 @@ function deviceCells(w) {
   const util = d.utilization;
   const used = d.memory_used_bytes;
   const total = d.memory_total_bytes;
+  const samples = state.gpus.get(w.name) || [];
   return [
     el("span", { class: "device gpu", text: `gpu${d.index} · ${d.name}` }),
-    meter(`${w.name} GPU utilization`, util, util == null ? "no sample" : `${Math.round(util * 100)}%`),
-    total
-      ? meter(`${w.name} GPU memory`, used == null ? null : used / total,
-        `${gib(used)} / ${gib(total)} GiB`)
-      : muted("no sample"),
+    gpuMetric(
+      meter(`${w.name} GPU utilization`, util, util == null ? "no sample" : `${Math.round(util * 100)}%`),
+      `${w.name} GPU utilization`, samples, "util"),
+    gpuMetric(
+      total
+        ? meter(`${w.name} GPU memory`, used == null ? null : used / total,
+          `${gib(used)} / ${gib(total)} GiB`)
+        : muted("no sample"),
+      `${w.name} GPU memory`, samples, "mem"),
   ];
+}
+
+// A small chart of one GPU metric (a fraction) over the same span as the queue chart.
+const SPARK_W = 160;
+const SPARK_H = 28;
+
+function sparkline(label, samples, key) {
+  const now = Date.now();
+  const spanMs = chartSpan(now);
+  const points = samples.filter((s) => s[key] != null && now - s.t <= spanMs);
+  const x = (t) => SPARK_W * (1 - (now - t) / spanMs);
+  const y = (v) => SPARK_H - 1 - (SPARK_H - 2) * Math.min(1, Math.max(0, v));
+  const node = svg("svg", {
+    class: `spark spark-${key}`,
+    viewBox: `0 0 ${SPARK_W} ${SPARK_H}`,
+    preserveAspectRatio: "none",
+    role: "img",
+    "data-samples": String(points.length),
+  });
+  const pct = (v) => `${Math.round(v * 100)}%`;
+  node.append(svg("rect", { class: "spark-bg", width: SPARK_W, height: SPARK_H }));
+  if (!points.length) {
+    node.setAttribute("aria-label", `${label}: no samples yet`);
+    return node;
+  }
+  const coords = points.map((s) => `${x(s.t).toFixed(1)},${y(s[key]).toFixed(1)}`);
+  const first = x(points[0].t).toFixed(1);
+  const last = x(points.at(-1).t).toFixed(1);
+  node.append(
+    svg("polygon", { class: "spark-area", points: `${first},${SPARK_H} ${coords.join(" ")} ${last},${SPARK_H}` }),
+    svg("polyline", { class: "spark-line", points: coords.join(" ") }),
+  );
+  const values = points.map((s) => s[key]);
+  const summary = `min ${pct(Math.min(...values))}, max ${pct(Math.max(...values))}, now ${pct(values.at(-1))}`;
+  node.setAttribute("aria-label", `${label} over the last ${span(spanMs)}: ${summary}`);
+  const title = svg("title");
+  title.textContent = `last ${span(spanMs)}: ${summary}`;
+  node.append(title);
+  return node;
+}
+
+// The current bar and, below it, the last minutes of the same metric.
+function gpuMetric(current, label, samples, key) {
+  return el("div", { class: "gpu-metric" }, current, sparkline(label, samples, key));
 }
 
 function workerRow(w) {

@@ -1,8 +1,8 @@
--- A worker's periodic report: renew its lease, publish what it is and does, fold in
--- the metrics and run-time samples gathered since the last beat, and collect the
--- cancel requests addressed to it.
+-- A worker's periodic report: renew its lease, publish what it is and does (in its
+-- gpulane hash and in RQ's worker registry), fold in the metrics and run-time samples
+-- gathered since the last beat, and collect the cancel requests addressed to it.
 -- ARGV[1]: {worker, ttl_ms, tau_s, info {field: string}, counters {field: int},
---           floats {field: number}, runs {class: [sum_run_s, count]}}
+--           floats {field: number}, runs {class: [sum_run_s, count]}, rq (see rq_publish)}
 -- Returns {renewed (0: the lease had been reaped), {task ids to cancel}}.
 local o = cjson.decode(ARGV[1])
 local now = now_ms()
@@ -11,6 +11,7 @@ local added = redis.call('ZADD', K.WORKERS, now + o.ttl_ms, o.worker)
 local info = {'last_heartbeat_ms', now}
 for k, v in pairs(o.info) do info[#info + 1] = k; info[#info + 1] = v end
 redis.call('HSET', K.worker(o.worker), unpack(info))
+rq_publish(o.worker, now, o.ttl_ms, o.rq)
 
 for field, n in pairs(o.counters) do redis.call('HINCRBY', K.METRICS, field, n) end
 for field, x in pairs(o.floats) do redis.call('HINCRBYFLOAT', K.METRICS, field, x) end
