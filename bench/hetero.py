@@ -15,7 +15,9 @@ rows, the shape the measured systems produce, so one set of metrics covers both.
   outstanding tasks, queued + running, ties round-robin), ``"ll"`` lowest latency (the
   lowest EWMA of end-to-end latency over the worker's completed tasks, as the router
   observes them end; a worker with none yet counts 0 and is tried first; ties
-  round-robin), the "lowest latency" routing of model gateways.
+  round-robin), the "lowest latency" routing of model gateways; ``"le"`` latency x
+  load (model only): the lowest EWMA x (outstanding + 1), the load-aware variant of
+  Finagle's and Linkerd's peak-EWMA balancers, for comparison.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Router:
     """A push router's choice for each arriving task, from what it has observed."""
 
     def __init__(self, policy: str, workers: int) -> None:
-        if policy not in ("rr", "lc", "ll"):
+        if policy not in ("rr", "lc", "ll", "le"):
             raise ValueError(f"unknown router {policy!r}")
         self.policy = policy
         self.workers = workers
@@ -73,7 +75,7 @@ class Router:
         self.ewma[k] = latency_s if old is None else EWMA_ALPHA * latency_s + (1 - EWMA_ALPHA) * old
 
     def choose(self, outstanding: Sequence[int] | None = None) -> int:
-        """The worker for the task arriving now (``outstanding``: per worker, for lc)."""
+        """The worker for the task arriving now (``outstanding``: per worker, for lc, le)."""
         order = [(self.pointer + j) % self.workers for j in range(self.workers)]
         if self.policy == "rr":
             k = order[0]
@@ -81,6 +83,10 @@ class Router:
             if outstanding is None:
                 raise ValueError("least connections needs the outstanding counts")
             k = min(order, key=lambda j: outstanding[j])
+        elif self.policy == "le":
+            if outstanding is None:
+                raise ValueError("latency x load needs the outstanding counts")
+            k = min(order, key=lambda j: (self.ewma[j] or 0.0) * (outstanding[j] + 1))
         else:
             k = min(order, key=lambda j: self.ewma[j] or 0.0)
         self.pointer = (k + 1) % self.workers
@@ -119,21 +125,26 @@ class Spread:
     p10: float
     p90: float
     within_2pct: float  # share of seeds with p99 <= 1.02 x ideal
+    p50_median: float  # p50 / ideal p50, median over the seeds
 
 
-def random_spread(trace: Trace, slowdown: Sequence[float], ideal_p99: float, seeds: int) -> Spread:
+def random_spread(trace: Trace, slowdown: Sequence[float], seeds: int) -> Spread:
+    """p99 (and p50) of the random-doorbell model over ``seeds`` seeds, each over the
+    ideal central queue's (fastest free first) on the same trace."""
     import numpy as np
 
-    ratios = []
-    for seed in range(seeds):
-        tasks = central(trace, slowdown, random_pick(seed))
+    def pcts(tasks: list[Task]) -> tuple[float, float]:
         latency = np.array([t.ended - t.created for t in tasks])
-        ratios.append(float(np.percentile(latency, 99)) / ideal_p99)
-    arr = np.array(ratios)
+        return float(np.percentile(latency, 50)), float(np.percentile(latency, 99))
+
+    ideal50, ideal99 = pcts(central(trace, slowdown, fastest(slowdown)))
+    runs = np.array([pcts(central(trace, slowdown, random_pick(seed))) for seed in range(seeds)])
+    p99 = runs[:, 1] / ideal99
     return Spread(
         seeds=seeds,
-        median=float(np.median(arr)),
-        p10=float(np.percentile(arr, 10)),
-        p90=float(np.percentile(arr, 90)),
-        within_2pct=float(np.mean(arr <= 1.02)),
+        median=float(np.median(p99)),
+        p10=float(np.percentile(p99, 10)),
+        p90=float(np.percentile(p99, 90)),
+        within_2pct=float(np.mean(p99 <= 1.02)),
+        p50_median=float(np.median(runs[:, 0] / ideal50)),
     )
