@@ -126,6 +126,16 @@ class Spread:
     p90: float
     within_2pct: float  # share of seeds with p99 <= 1.02 x ideal
     p50_median: float  # p50 / ideal p50, median over the seeds
+    wait_median: float  # mean wait in the queue (s), median over the seeds
+    tail_wait_median: float  # mean wait of the slowest 1 % of tasks (s), median over the seeds
+
+
+def waits(tasks: list[Task]) -> tuple[float, float]:
+    """Mean wait before starting (s), over all tasks and over the 1 % of highest latency."""
+    ranked = sorted(tasks, key=lambda t: t.ended - t.created)
+    tail = ranked[-max(1, len(tasks) // 100) :]
+    mean = sum(t.started - t.created for t in tasks) / len(tasks)
+    return mean, sum(t.started - t.created for t in tail) / len(tail)
 
 
 def random_spread(trace: Trace, slowdown: Sequence[float], seeds: int) -> Spread:
@@ -133,11 +143,12 @@ def random_spread(trace: Trace, slowdown: Sequence[float], seeds: int) -> Spread
     ideal central queue's (fastest free first) on the same trace."""
     import numpy as np
 
-    def pcts(tasks: list[Task]) -> tuple[float, float]:
+    def pcts(tasks: list[Task]) -> tuple[float, float, float, float]:
         latency = np.array([t.ended - t.created for t in tasks])
-        return float(np.percentile(latency, 50)), float(np.percentile(latency, 99))
+        p50, p99 = float(np.percentile(latency, 50)), float(np.percentile(latency, 99))
+        return (p50, p99, *waits(tasks))
 
-    ideal50, ideal99 = pcts(central(trace, slowdown, fastest(slowdown)))
+    ideal50, ideal99, _, _ = pcts(central(trace, slowdown, fastest(slowdown)))
     runs = np.array([pcts(central(trace, slowdown, random_pick(seed))) for seed in range(seeds)])
     p99 = runs[:, 1] / ideal99
     return Spread(
@@ -147,4 +158,6 @@ def random_spread(trace: Trace, slowdown: Sequence[float], seeds: int) -> Spread
         p90=float(np.percentile(p99, 90)),
         within_2pct=float(np.mean(p99 <= 1.02)),
         p50_median=float(np.median(runs[:, 0] / ideal50)),
+        wait_median=float(np.median(runs[:, 2])),
+        tail_wait_median=float(np.median(runs[:, 3])),
     )
