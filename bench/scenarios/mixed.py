@@ -306,12 +306,12 @@ def run(size: str, outdir: Path) -> Report:
         "Idle %: share of the run (first arrival to last end) a worker ran nothing, per "
         "worker (F fast, S slow). Idle while work waited: worker time spent idle while a "
         "task waited in a queue that worker could not or did not serve, over workers x "
-        "run, on a 1 ms grid (as in balancing). Work on fast %: share of all busy time "
-        "spent on the fast workers.",
+        "run, on a 1 ms grid (as in balancing). Work on fast %: share of all work, in "
+        "fast-worker seconds (busy time / slowdown), done by the fast workers.",
         "The ideal central queue puts each task on the fastest free worker, which keeps "
         "the fast workers busiest; gpulane's doorbell (`SPOP` of the parked workers) "
-        "picks any parked worker. The spread table replays that random choice with many "
-        "seeds on the same trace.",
+        "picks any parked worker. The doorbell tables replay that random choice with many "
+        "seeds, on this trace and on other draws of it.",
         "Round-robin gives each slow worker a quarter of the work: "
         + ", ".join(f"{load * cfg.capacity / len(cfg.speeds) * cfg.slowdown:.2f}" for load in LOADS)
         + " of its capacity at "
