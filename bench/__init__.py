@@ -6,6 +6,8 @@ Scenarios, each in :mod:`bench.scenarios`:
   throughput, Redis commands per task);
 - ``balancing``: a heavy-tailed trace through gpulane (pull), round-robin and
   least-connections push routers, and the ideal central queue (simulated);
+- ``mixed``: the same trace on 2 fast and 2 half-speed workers: pull against
+  round-robin, least-connections and lowest-latency push, measured and modelled;
 - ``scaling``: throughput on 1, 2, 4 and 8 workers;
 - ``api``: accepted HTTP submits per second and their latency under concurrency;
 - ``memory``: resident memory of an idle worker and of the API after load;

@@ -155,6 +155,18 @@ class Stack:
     ) -> Proc:
         """``gpulane worker`` (CPU device, built-ins plus the bench tasks) serving the
         classes ``serve`` (default: all); ``settings`` become ``GPULANE_*`` variables."""
+        proc = self.spawn(name, self.worker_argv(name, serve, tasks), self.env(**settings))
+        if wait:
+            self.wait_registered(proc)
+        return proc
+
+    @staticmethod
+    def worker_argv(
+        name: str,
+        serve: list[str] | None = None,
+        tasks: str = f"worker.tasks.builtin,{BENCH_TASKS}",
+    ) -> list[str]:
+        """The ``gpulane worker`` command line :meth:`gpulane_worker` runs."""
         argv = [
             sys.executable,
             "-m",
@@ -168,10 +180,7 @@ class Stack:
         argv += ["--tasks", tasks]
         if serve:
             argv += ["--classes", ",".join(serve)]
-        proc = self.spawn(name, argv, self.env(**settings))
-        if wait:
-            self.wait_registered(proc)
-        return proc
+        return argv
 
     def wait_registered(self, proc: Proc) -> None:
         client = self.client()

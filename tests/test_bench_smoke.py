@@ -37,3 +37,23 @@ def test_scenario_smoke(scenario: str, tmp_path: Path) -> None:
     assert (tmp_path / f"{scenario}.png").stat().st_size > 1000
     assert (tmp_path / f"{scenario}.json").exists()
     assert (tmp_path / "summary.md").exists()
+
+
+def test_mixed_models_reduce_to_balancing_on_equal_speeds() -> None:
+    """On workers of one speed the mixed-speed models are balancing's, task for task."""
+    from bench import hetero
+    from bench import trace as tr
+
+    trace = tr.make_trace(300, 4, 0.9)
+    speeds = [1.0] * 4
+
+    def times(tasks: list[tr.Task]) -> list[tuple[float, float, float]]:
+        return [(t.created, t.started, t.ended) for t in tasks]
+
+    # Which free worker takes a task differs (lowest index, earliest freed); times do not.
+    assert times(hetero.central(trace, speeds, hetero.fastest(speeds))) == times(tr.central(trace))
+    assert times(hetero.central(trace, speeds, hetero.random_pick(1))) == times(tr.central(trace))
+    assert hetero.push(trace, speeds, "rr") == tr.round_robin(trace)
+    assert hetero.push(trace, speeds, "lc") == tr.least_connections(trace)
+    slow = hetero.central(trace, [2.0] * 4, hetero.fastest([2.0] * 4))
+    assert [t.ended - t.started for t in slow] == pytest.approx([2 * s for s in trace.services])
