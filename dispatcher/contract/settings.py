@@ -20,7 +20,14 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -31,6 +38,7 @@ from pydantic_settings import (
 __all__ = ["ClassConfig", "Settings", "SettingsError", "TenantConfig", "load_settings"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MiB = 1024 * 1024
 
 
@@ -66,8 +74,10 @@ class TenantConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
-    key_sha256: list[str] = Field(description="Hex SHA-256 of each accepted bearer key.")
+    name: str = Field(pattern=_TENANT.pattern, description="Tenant id, in keys and logs.")
+    key_sha256: list[str] = Field(
+        min_length=1, description="Hex SHA-256 of each accepted bearer key."
+    )
     rate: float = Field(20.0, gt=0, description="Requests per second (token bucket refill).")
     burst: int = Field(40, ge=1)
     max_in_flight: int = Field(100, ge=1, description="Queued plus running tasks at once.")
@@ -209,6 +219,9 @@ class Settings(BaseSettings):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError("tenant names must be unique")
+        digests = [d for t in self.tenants for d in t.key_sha256]
+        if len(set(digests)) != len(digests):
+            raise ValueError("each key_sha256 must belong to one tenant, once")
         for tenant in self.tenants:
             unknown = set(tenant.classes or ()) - set(self.classes)
             if unknown:
@@ -251,5 +264,16 @@ def load_settings(**overrides: Any) -> Settings:
         raise SettingsError(f"GPULANE_CONFIG names {config!r}, which is not a readable file")
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:  # pydantic.ValidationError and TOML decode errors
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from exc
+    except ValueError as exc:  # TOML decode errors
         raise SettingsError(f"invalid gpulane settings: {exc}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    """One paragraph naming each bad key and why, without pydantic's URLs."""
+    problems = []
+    for error in exc.errors(include_url=False)[:10]:
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        problems.append(f"{where}: {error['msg']}")
+    return "invalid gpulane settings: " + "; ".join(problems)

@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dispatcher.contract.exits import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from dispatcher.contract.exits import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+)
 from dispatcher.contract.logs import configure_logging
 from dispatcher.contract.settings import Settings, SettingsError, load_settings
 
@@ -214,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = _settings(ns)
     except SettingsError as exc:
-        print(f"gpulane: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"gpulane {ns.command}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     configure_logging(settings.log_level, settings.log_format)
     return _COMMANDS[ns.command](ns, settings)
 
