@@ -171,6 +171,11 @@ class Settings(BaseSettings):
         default_factory=lambda: ["worker.tasks.builtin"],
         description="Modules whose @task functions workers load (`worker --tasks` overrides).",
     )
+    catalog_on_start: bool = Field(
+        True,
+        description="The API publishes the task types of task_modules at start (from a "
+        "subprocess, CUDA hidden), so they are known before any worker is ready.",
+    )
     per_gpu: int = Field(
         1,
         ge=1,

@@ -1,4 +1,4 @@
-"""The `gpulane` command: up, api, worker, submit, status."""
+"""The `gpulane` command: up, api, worker, catalog, submit, status."""
 
 from __future__ import annotations
 
@@ -67,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--tasks", type=_csv, help="task modules to load (default: built-ins)")
     worker.add_argument("--name", help="worker name (default: host.pid)")
     worker.add_argument("--redis-url")
+
+    catalog = sub.add_parser(
+        "catalog", help="publish the task types of the configured task modules to Redis"
+    )
+    catalog.add_argument("--tasks", type=_csv, help="task modules (default: task_modules)")
+    catalog.add_argument("--redis-url")
+    catalog.add_argument(
+        "--print", action="store_true", dest="print_only", help="print it; touch no Redis"
+    )
 
     submit = sub.add_parser("submit", help="submit a task (a document, or --type/--args)")
     submit.add_argument("file", nargs="?", type=Path)
@@ -166,6 +175,12 @@ def _cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
     )
 
 
+def _cmd_catalog(ns: argparse.Namespace, settings: Settings) -> int:
+    from dispatcher.ops.catalog import publish_catalog
+
+    return publish_catalog(settings, ns.tasks or settings.task_modules, ns.print_only)
+
+
 def _api_url(ns: argparse.Namespace, settings: Settings) -> str:
     from dispatcher.ops.supervisor import read_up_file
 
@@ -210,6 +225,7 @@ _COMMANDS = {
     "up": _cmd_up,
     "api": _cmd_api,
     "worker": _cmd_worker,
+    "catalog": _cmd_catalog,
     "submit": _cmd_submit,
     "status": _cmd_status,
 }
