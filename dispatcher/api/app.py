@@ -151,6 +151,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         version="1",
         summary="Queue-based dispatcher for a pool of GPU workers.",
         lifespan=lifespan,
+        docs_url=None,  # served from the package instead of a CDN (routes/observe.py)
     )
     install_error_handlers(app)
     for module in (tasks, pool, observe):
