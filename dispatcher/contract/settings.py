@@ -141,6 +141,17 @@ class Settings(BaseSettings):
     max_result_bytes: int = Field(16 * MiB, ge=1024, description="A task's JSON result limit.")
     default_file_task: str = "document.extract"
 
+    # Slow and hostile clients (per API process).
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A request's line and headers must arrive within this (408)."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="A request's whole body must arrive within this of its headers."
+    )
+    max_connections: int = Field(
+        1000, ge=1, description="Open connections per API process; past it: 503 server_busy."
+    )
+
     # Task lifetime.
     default_timeout_s: float = Field(600.0, gt=0)
     max_timeout_s: float = Field(3600.0, gt=0)

@@ -126,6 +126,7 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from dispatcher.api.app import create_app
+    from dispatcher.api.guard import server_options
 
     if not settings.tenants and not _loopback(settings.host):
         log.warning(
@@ -139,6 +140,7 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
         "log_config": None,
         "access_log": False,
         "timeout_graceful_shutdown": 5,
+        **server_options(settings),
     }
     if settings.api_workers == 1:
         uvicorn.run(create_app(settings), **where, **common)
