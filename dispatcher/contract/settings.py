@@ -206,6 +206,12 @@ class Settings(BaseSettings):
         description="An NVML sample unanswered this long means the device stopped answering: "
         "the worker hands its task back, reports itself unhealthy and exits.",
     )
+    max_worker_rss_mb: int | None = Field(
+        None,
+        ge=64,
+        description="A worker whose resident memory is above this after a task (reported "
+        "first) exits with status 72 to be restarted fresh; unset: never.",
+    )
     fault_point: Literal["", "after_claim"] = Field(
         "", description="Testing only: a worker SIGKILLs itself at this point."
     )
