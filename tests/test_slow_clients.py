@@ -125,7 +125,7 @@ def test_slow_headers_and_bodies_do_not_starve_real_clients(
                 began = time.monotonic()
                 assert http.get("/health").status_code == 200
                 assert http.get("/queues").status_code == 200
-                assert time.monotonic() - began < 1.0
+                assert time.monotonic() - began < 2.0
         header_answers = [_answer(s) for s in slow_headers]
         body_answers = [_answer(s) for s in slow_bodies]
         elapsed = time.monotonic() - started
