@@ -74,7 +74,7 @@ class TenantConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=_TENANT.pattern, description="Tenant id, in keys and logs.")
+    name: str = Field(description="Tenant id, in keys and logs.")
     key_sha256: list[str] = Field(
         min_length=1, description="Hex SHA-256 of each accepted bearer key."
     )
@@ -83,6 +83,16 @@ class TenantConfig(BaseModel):
     max_in_flight: int = Field(100, ge=1, description="Queued plus running tasks at once.")
     classes: list[str] | None = Field(None, description="Classes it may submit to; all if unset.")
     admin: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _TENANT.match(value):
+            raise ValueError(
+                f"tenant name {value!r} must be 1-64 letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit"
+            )
+        return value
 
     @field_validator("key_sha256", mode="before")
     @classmethod
@@ -297,5 +307,5 @@ def _describe(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors(include_url=False)[:10]:
         where = ".".join(str(part) for part in error["loc"]) or "settings"
-        problems.append(f"{where}: {error['msg']}")
+        problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
     return "invalid gpulane settings: " + "; ".join(problems)
