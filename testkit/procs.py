@@ -21,6 +21,7 @@ import redis
 import uvicorn
 
 from dispatcher.api.app import create_app
+from dispatcher.api.guard import server_options
 from dispatcher.contract.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +150,7 @@ class ApiServer:
             log_config=None,
             access_log=False,
             lifespan="on",
+            **server_options(settings),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

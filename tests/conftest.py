@@ -54,7 +54,9 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def make_settings(redis_url: str, **overrides: Any) -> Settings:
-    return Settings(redis_url=redis_url, **{**FAST, **overrides})
+    # Tests publish the catalog they need (`known_types`); the API's own publication at
+    # start is tested on its own (tests/test_catalog_start.py).
+    return Settings(redis_url=redis_url, **{**FAST, "catalog_on_start": False, **overrides})
 
 
 @pytest.fixture

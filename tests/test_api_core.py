@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 import redis
@@ -178,7 +180,17 @@ def test_health_counts_workers(http: httpx.Client, start_worker: WorkerFactory) 
 
 
 def test_openapi_docs_served(http: httpx.Client) -> None:
-    assert http.get("/docs").status_code == 200
+    docs = http.get("/docs")
+    assert docs.status_code == 200
+    # Swagger UI works offline: every asset the page names is on this origin, and served.
+    urls = re.findall(r"""(?:src|href)=["']([^"']+)|url: ?'([^']+)'""", docs.text)
+    urls = [a or b for a, b in urls]
+    assert len(urls) == 4, docs.text  # css, favicon, js, the spec
+    for url in urls:
+        assert url.startswith("/") and not url.startswith("//"), url
+        asset = http.get(url)
+        assert asset.status_code == 200 and len(asset.content) > 100, url
+    assert "SwaggerUIBundle" in http.get("/static/swagger-ui-bundle.js").text
     spec = http.get("/openapi.json").json()
     assert {"/tasks", "/tasks/{task_id}", "/queues", "/workers", "/health"} <= set(spec["paths"])
     content = spec["paths"]["/tasks"]["post"]["requestBody"]["content"]

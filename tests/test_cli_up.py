@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,9 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis import Redis
 from support.pdf import make_pdf
 from support.up import Up, up_env
 
+from dispatcher.ops.embedded_redis import EmbeddedRedis
 from testkit import REPO, wait_for
 
 
@@ -139,3 +143,49 @@ def test_explicit_busy_data_dir_is_refused(env: dict[str, str], tmp_path: Path) 
         assert "in use by another `gpulane up`" in second.stderr
     finally:
         assert first.stop() == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def test_up_killed_leaves_nothing_running(env: dict[str, str], tmp_path: Path) -> None:
+    """SIGKILL the supervisor: its redis-server, API and workers end by themselves."""
+    up = Up(env, "--workers", "1")
+    try:
+        up.url()
+        pids = [int(p) for p in re.findall(r"\), pid (\d+)", up.output())]
+        pids.append(int((tmp_path / "gpulane" / "redis" / "redis.pid").read_text()))
+        assert len(pids) == 3 and all(_alive(p) for p in pids), up.output()
+        up.process.send_signal(signal.SIGKILL)
+        up.process.wait(10)
+        wait_for(lambda: not any(_alive(p) for p in pids), 30, what="children to end")
+        assert _redis_servers(tmp_path) == []
+    finally:
+        up.stop()
+
+
+def test_second_up_stops_a_stale_private_redis(env: dict[str, str], tmp_path: Path) -> None:
+    """A redis-server left on the data directory (by an `up` whose children outlived
+    it) is stopped, its AOF kept, and the new `up` runs its own."""
+    stale = EmbeddedRedis(tmp_path / "gpulane" / "redis")
+    stale.start()
+    assert stale.process is not None
+    Redis(unix_socket_path=str(stale.socket)).set("kept", "1")
+    up = Up(env, "--workers", "1")
+    try:
+        url = up.url()
+        assert f"stopped a stale private redis-server (pid {stale.process.pid})" in up.output()
+        assert stale.process.wait(10) == 0  # SIGTERM: a clean exit, AOF flushed
+        assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+        fresh = int((tmp_path / "gpulane" / "redis" / "redis.pid").read_text())
+        assert fresh != stale.process.pid and _alive(fresh)
+        assert Redis(unix_socket_path=str(stale.socket)).get("kept") == b"1"
+    finally:
+        assert up.stop() == 0, up.output()
+        stale.stop()
+    assert _redis_servers(tmp_path) == []

@@ -274,3 +274,22 @@ def test_page_and_assets_are_served(http: httpx.Client) -> None:
     missing = http.get("/static/app.py")
     assert missing.status_code == 404 and missing.json()["error"] == "not_found"
     assert "://" not in page.text  # no CDN: nothing but this origin
+
+
+def test_swagger_ui_renders_offline(browser: Browser, http: httpx.Client) -> None:
+    """/docs draws the API from this origin alone (no CDN): air-gapped hosts get it."""
+    base = str(http.base_url).rstrip("/")
+    page = browser.new_page()
+    foreign: list[str] = []
+    errors: list[str] = []
+    page.on("request", lambda req: None if req.url.startswith(base) else foreign.append(req.url))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{base}/docs")
+        page.locator(".swagger-ui .opblock-summary-path", has_text="/tasks").first.wait_for(
+            timeout=20_000
+        )
+        assert "gpulane" in page.locator(".swagger-ui .info .title").inner_text()
+    finally:
+        page.close()
+    assert foreign == [] and errors == []

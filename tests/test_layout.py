@@ -29,6 +29,13 @@ def test_worker_main_loads_no_api_module() -> None:
     assert "fastapi" not in loaded
 
 
+def test_api_and_catalog_publisher_load_no_task_code() -> None:
+    # The configured catalog comes from a subprocess (python -m worker.catalog).
+    loaded = _modules_after("import dispatcher.api.app, dispatcher.ops.catalog")
+    assert "dispatcher.api.catalog" in loaded
+    assert not {m for m in loaded if m.split(".")[0] == "worker"}
+
+
 def test_worker_loads_no_cuda_library_before_pinning() -> None:
     # Task modules (which may import torch) load only after the device is pinned;
     # the worker's own code, GPU modules included, never imports a CUDA library.

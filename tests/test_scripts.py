@@ -111,13 +111,24 @@ def test_cancel_requested_before_a_release_is_kept(r: redis.Redis) -> None:
     task_id = _submit(s)
     _register(s, "w")
     _claim(s, "w")
-    cancel = options(id=task_id, tenant="", ttl_s=60)
+    cancel = options(id=task_id, tenant="", any_tenant=True, ttl_s=60)
     assert s.run("cancel", cancel) == [b"cancel_requested"]
     release = options(id=task_id, worker="w", at_head=True, **lease_options(SETTINGS),
                       **{"class": "batch"})  # fmt: skip
     assert s.run("release", release) == b"canceled"
     assert r.hget(keys.job(task_id), "status") == b"canceled"
     assert r.llen(keys.queue("batch")) == 0
+
+
+def test_an_empty_tenant_is_no_wildcard(r: redis.Redis) -> None:
+    """Only an explicit any_tenant flag cancels another tenant's task; '' is a name."""
+    s = SyncScripts(r)
+    task_id = _submit(s)  # tenant "t"
+    for tenant in ("", "other"):
+        cancel = options(id=task_id, tenant=tenant, ttl_s=60)
+        assert s.run("cancel", cancel) == [b"not_found"]
+    assert r.hget(keys.job(task_id), "status") == b"queued"
+    assert s.run("cancel", options(id=task_id, tenant="t", ttl_s=60))[0] == b"canceled"
 
 
 def test_a_claim_whose_reply_was_lost_is_redelivered(r: redis.Redis) -> None:

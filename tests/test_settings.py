@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from dispatcher.contract.exits import EXIT_CONFIG
 from dispatcher.contract.settings import Settings, SettingsError, load_settings
+from testkit import REPO
 
 DIGEST = "a" * 64
 
@@ -71,6 +76,21 @@ classes = ["batch"]
         ("lease_ttl_s = 0.5\nheartbeat_interval_s = 1", "lease_ttl_s"),
         ("default_class = 'gold'", "default_class"),
         ("[classes.Bad-Name]", "class name"),
+        (f"[[tenants]]\nname = ''\nkey_sha256 = '{DIGEST}'", "tenants.0.name"),
+        (f"[[tenants]]\nname = 'a:b'\nkey_sha256 = '{DIGEST}'", "tenants.0.name"),
+        ("[[tenants]]\nname = 'x'\nkey_sha256 = []", "tenants.0.key_sha256"),
+        (
+            f"[[tenants]]\nname = 'x'\nkey_sha256 = '{DIGEST}'\n"
+            f"[[tenants]]\nname = 'x'\nkey_sha256 = '{'b' * 64}'",
+            "tenant names must be unique",
+        ),
+        (
+            f"[[tenants]]\nname = 'x'\nkey_sha256 = '{DIGEST}'\n"
+            f"[[tenants]]\nname = 'y'\nkey_sha256 = '{DIGEST}'",
+            "one tenant",
+        ),
+        ("[classes.batch]\nmax_queued = 0", "classes.batch.max_queued"),
+        ("max_body_bytes = -1", "max_body_bytes"),
     ],
 )
 def test_bad_file_is_an_error(
@@ -87,3 +107,25 @@ def test_missing_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     monkeypatch.setenv("GPULANE_CONFIG", str(tmp_path / "nope.toml"))
     with pytest.raises(SettingsError, match="not a readable file"):
         load_settings()
+
+
+@pytest.mark.parametrize("command", ["api", "worker", "up", "status", "submit"])
+def test_every_command_refuses_a_bad_config(tmp_path: Path, command: str) -> None:
+    """A real process: exit 2, one paragraph on stderr naming the key, no traceback."""
+    config = tmp_path / "bad.toml"
+    config.write_text(f"[[tenants]]\nname = ''\nkey_sha256 = '{DIGEST}'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
+    env["GPULANE_CONFIG"] = str(config)
+    args = ["--type", "echo"] if command == "submit" else []
+    done = subprocess.run(
+        [sys.executable, "-m", "dispatcher.ops.cli", command, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_CONFIG == 2
+    assert "Traceback" not in done.stderr
+    message = done.stderr.strip()
+    assert "\n" not in message and "tenants.0.name" in message, message

@@ -21,6 +21,7 @@ from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner, RunningTask
 from worker.handback import hand_back
+from worker.memory import rss_bytes
 from worker.state import WorkerState
 
 __all__ = ["WorkerLoop"]
@@ -127,6 +128,23 @@ class WorkerLoop:
         )
         if ended_ms is not None:
             self._record(claimed, task_type, status, ended_ms)
+        self._check_memory()
+
+    def _check_memory(self) -> None:
+        """Past max_worker_rss_mb after a task (already reported): exit to be restarted,
+        giving back whatever the task left allocated."""
+        limit = self.settings.max_worker_rss_mb
+        if limit is None:
+            return
+        rss_mb = rss_bytes() // (1024 * 1024)
+        if rss_mb > limit:
+            why = f"resident memory {rss_mb} MB is above max_worker_rss_mb {limit} MB"
+            log.warning("%s after a task; exiting to be restarted", why, extra=self._who)
+            self.state.recycle(why)
+
+    @property
+    def _who(self) -> dict[str, str]:
+        return {"worker": self.broker.name}
 
     def _report(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> int | None:
         """Hand the outcome to Redis, waiting out an outage: a finished task is never

@@ -23,7 +23,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
+from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_RECYCLED, EXIT_UNHEALTHY
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
@@ -203,6 +203,8 @@ def run_worker(
         worker.leave()
     if worker.state.unhealthy:  # whenever it happened: the supervisor must restart it
         status = EXIT_UNHEALTHY
+    elif worker.state.recycled:
+        status = EXIT_RECYCLED
     log.info("worker stopped, exit status %d", status or 0, extra={"worker": worker.state.name})
     return status or 0
 

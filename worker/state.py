@@ -42,6 +42,7 @@ class WorkerState:
         self.device_sample: dict[str, Any] = {}
         self.stop_requested_at: float | None = None  # monotonic
         self.unhealthy_at: float | None = None  # monotonic
+        self.recycled = False  # stopping because its memory grew past max_worker_rss_mb
         self.started_ms = int(time.time() * 1000)
         # Lets this process register twice under its name (before and after it has a
         # device) while any other process with the name is refused.
@@ -61,6 +62,15 @@ class WorkerState:
             if self.stop_requested_at is None:
                 self.stop_requested_at = time.monotonic()
                 self.state = "stopping"
+
+    def recycle(self, reason: str) -> None:
+        """Stop after the task just reported, to be restarted fresh (exit 72)."""
+        with self._lock:
+            if self.stop_requested_at is None:
+                self.stop_requested_at = time.monotonic()
+                self.state = "stopping"
+                self.reason = reason
+                self.recycled = True
 
     def mark_unhealthy(self, reason: str) -> bool:
         """Stop taking tasks for good; False if it was already unhealthy."""

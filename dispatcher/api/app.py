@@ -121,6 +121,8 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         app.state.services = svc
         if svc.auth.open:
             log.warning("no API keys configured: the API is open, every caller is tenant 'default'")
+        if settings.catalog_on_start:
+            svc.catalog.publish_configured(settings.task_modules)
         try:
             await _check_redis_config(redis)
             await svc.catalog.refresh()
@@ -136,6 +138,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
             yield
         finally:
             task.cancel()
+            await svc.catalog.close()
             try:
                 await _flush_metrics(redis, svc.recorder)
             except RedisError:
@@ -148,6 +151,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         version="1",
         summary="Queue-based dispatcher for a pool of GPU workers.",
         lifespan=lifespan,
+        docs_url=None,  # served from the package instead of a CDN (routes/observe.py)
     )
     install_error_handlers(app)
     for module in (tasks, pool, observe):

@@ -5,10 +5,17 @@ from the task's pydantic model) and file use from this catalog and refuses bad
 submissions before they are queued. Entries persist, so types stay known while their
 workers restart; a type with no live worker is a capacity question, not an unknown
 type.
+
+At start (``catalog_on_start``) the API also publishes the catalog of the configured
+``task_modules`` from a subprocess of worker code (:mod:`dispatcher.contract.catalog`),
+so a fresh deployment knows its types before any worker is ready. A lookup that misses
+while that is under way waits for it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -17,14 +24,17 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from dispatcher.contract import keys
+from dispatcher.contract.catalog import CatalogError, catalog_command, parse_catalog
 
-__all__ = ["Catalog", "TaskTypeInfo"]
+__all__ = ["Catalog", "TaskTypeInfo", "configured_catalog"]
 
 log = logging.getLogger("gpulane.api")
 
 _MAX_ERRORS = 5
+PUBLISH_TIMEOUT_S = 60.0  # importing task modules (torch...) may take a while
 
 
 @dataclass(frozen=True)
@@ -64,11 +74,59 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
     )
 
 
+async def configured_catalog(modules: list[str], timeout_s: float) -> dict[str, str]:
+    """``{type: entry JSON}`` of ``modules``, from ``python -m worker.catalog``."""
+    argv, env = catalog_command(modules)
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise CatalogError(f"loading {modules} took over {timeout_s:g} s") from None
+    return parse_catalog(proc.returncode or 0, out, err)
+
+
 class Catalog:
     def __init__(self, client: Redis) -> None:
         self._client = client
         self._types: dict[str, TaskTypeInfo] = {}
         self._raw: dict[bytes, bytes] = {}
+        self._publishing: asyncio.Task[None] | None = None
+
+    def publish_configured(self, modules: list[str]) -> None:
+        """Start publishing the configured modules' types (in the background)."""
+        self._publishing = asyncio.create_task(self._publish(modules), name="gpulane-catalog")
+
+    async def _publish(self, modules: list[str]) -> None:
+        try:
+            entries = await configured_catalog(modules, PUBLISH_TIMEOUT_S)
+            if entries:
+                await self._client.hset(keys.CATALOG, mapping=entries)  # type: ignore[arg-type]
+            await self.refresh()
+            log.info("published the catalog of %s: %s", modules, sorted(entries))
+        except (CatalogError, OSError) as exc:
+            log.warning("could not publish the configured task catalog: %s", exc)
+        except RedisError as exc:
+            log.warning("could not publish the configured task catalog (redis: %s)", exc)
+
+    async def _published(self) -> None:
+        """Wait for a publication under way (a failed one was logged)."""
+        if self._publishing is not None and not self._publishing.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._publishing), PUBLISH_TIMEOUT_S)
+
+    async def close(self) -> None:
+        if self._publishing is not None and not self._publishing.done():
+            self._publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publishing
 
     async def refresh(self) -> None:
         reply = await self._client.hgetall(keys.CATALOG)
@@ -84,6 +142,7 @@ class Catalog:
         seen at once, and a junk name costs one HGET, never a full re-read."""
         info = self._types.get(name)
         if info is None:
+            await self._published()
             raw = await self._client.hget(keys.CATALOG, name)
             if raw is not None:
                 info = _parse(name, _bytes(raw))
@@ -93,5 +152,6 @@ class Catalog:
 
     async def names(self) -> list[str]:
         """Known type names, read afresh: for the error that lists them."""
+        await self._published()
         await self.refresh()
         return sorted(self._types)

@@ -119,7 +119,12 @@ class TaskStore:
         return record_from_fields(task_id, values, position)
 
     async def cancel(self, task_id: str, tenant: str | None) -> CancelResult:
-        opts = options(id=task_id, tenant=tenant or "", ttl_s=self.settings.result_ttl_s)
+        opts = options(
+            id=task_id,
+            tenant=tenant or "",
+            any_tenant=tenant is None,
+            ttl_s=self.settings.result_ttl_s,
+        )
         reply = [_text(x) for x in await self.scripts.run("cancel", opts)]
         verdict: CancelVerdict = script_verdict(reply[0], CancelVerdict)
         if verdict == "canceled":

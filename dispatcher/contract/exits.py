@@ -13,6 +13,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_NO_GPU",
     "EXIT_OK",
+    "EXIT_RECYCLED",
     "EXIT_STUCK",
     "EXIT_UNAVAILABLE",
     "EXIT_UNHEALTHY",
@@ -28,6 +29,7 @@ EXIT_UNAVAILABLE = 3  # the API or Redis could not be reached, or refused the re
 EXIT_CONFIG = 2  # bad flags or configuration, or a name another live worker holds
 EXIT_STUCK = 70  # a task ignored its timeout in native code; it was reported failed
 EXIT_UNHEALTHY = 71  # GPU fault, device lost or hung, or GPU claim lost; task handed back
+EXIT_RECYCLED = 72  # its memory passed max_worker_rss_mb after a task (reported first)
 EXIT_NO_GPU = 75  # no GPU claim became free within gpu_wait_s (EX_TEMPFAIL)
 
 _MEANING = {
@@ -35,6 +37,7 @@ _MEANING = {
     EXIT_STUCK: "a task was stuck past its timeout",
     EXIT_UNHEALTHY: "unhealthy: its GPU faulted, stopped answering or was claimed by another",
     EXIT_NO_GPU: "no free GPU within gpu_wait_s",
+    EXIT_RECYCLED: "recycled: its memory passed max_worker_rss_mb after a task",
 }
 
 

@@ -20,7 +20,14 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -31,6 +38,7 @@ from pydantic_settings import (
 __all__ = ["ClassConfig", "Settings", "SettingsError", "TenantConfig", "load_settings"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MiB = 1024 * 1024
 
 
@@ -66,13 +74,25 @@ class TenantConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
-    key_sha256: list[str] = Field(description="Hex SHA-256 of each accepted bearer key.")
+    name: str = Field(description="Tenant id, in keys and logs.")
+    key_sha256: list[str] = Field(
+        min_length=1, description="Hex SHA-256 of each accepted bearer key."
+    )
     rate: float = Field(20.0, gt=0, description="Requests per second (token bucket refill).")
     burst: int = Field(40, ge=1)
     max_in_flight: int = Field(100, ge=1, description="Queued plus running tasks at once.")
     classes: list[str] | None = Field(None, description="Classes it may submit to; all if unset.")
     admin: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _TENANT.match(value):
+            raise ValueError(
+                f"tenant name {value!r} must be 1-64 letters, digits, '_', '.' or '-', "
+                "starting with a letter or digit"
+            )
+        return value
 
     @field_validator("key_sha256", mode="before")
     @classmethod
@@ -131,6 +151,17 @@ class Settings(BaseSettings):
     max_result_bytes: int = Field(16 * MiB, ge=1024, description="A task's JSON result limit.")
     default_file_task: str = "document.extract"
 
+    # Slow and hostile clients (per API process).
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A request's line and headers must arrive within this (408)."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="A request's whole body must arrive within this of its headers."
+    )
+    max_connections: int = Field(
+        1000, ge=1, description="Open connections per API process; past it: 503 server_busy."
+    )
+
     # Task lifetime.
     default_timeout_s: float = Field(600.0, gt=0)
     max_timeout_s: float = Field(3600.0, gt=0)
@@ -166,6 +197,11 @@ class Settings(BaseSettings):
         default_factory=lambda: ["worker.tasks.builtin"],
         description="Modules whose @task functions workers load (`worker --tasks` overrides).",
     )
+    catalog_on_start: bool = Field(
+        True,
+        description="The API publishes the task types of task_modules at start (from a "
+        "subprocess, CUDA hidden), so they are known before any worker is ready.",
+    )
     per_gpu: int = Field(
         1,
         ge=1,
@@ -184,6 +220,12 @@ class Settings(BaseSettings):
         gt=0,
         description="An NVML sample unanswered this long means the device stopped answering: "
         "the worker hands its task back, reports itself unhealthy and exits.",
+    )
+    max_worker_rss_mb: int | None = Field(
+        None,
+        ge=64,
+        description="A worker whose resident memory is above this after a task (reported "
+        "first) exits with status 72 to be restarted fresh; unset: never.",
     )
     fault_point: Literal["", "after_claim"] = Field(
         "", description="Testing only: a worker SIGKILLs itself at this point."
@@ -214,6 +256,9 @@ class Settings(BaseSettings):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError("tenant names must be unique")
+        digests = [d for t in self.tenants for d in t.key_sha256]
+        if len(set(digests)) != len(digests):
+            raise ValueError("each key_sha256 must belong to one tenant, once")
         for tenant in self.tenants:
             unknown = set(tenant.classes or ()) - set(self.classes)
             if unknown:
@@ -256,5 +301,16 @@ def load_settings(**overrides: Any) -> Settings:
         raise SettingsError(f"GPULANE_CONFIG names {config!r}, which is not a readable file")
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:  # pydantic.ValidationError and TOML decode errors
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from exc
+    except ValueError as exc:  # TOML decode errors
         raise SettingsError(f"invalid gpulane settings: {exc}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    """One paragraph naming each bad key and why, without pydantic's URLs."""
+    problems = []
+    for error in exc.errors(include_url=False)[:10]:
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "invalid gpulane settings: " + "; ".join(problems)

@@ -1,4 +1,4 @@
-"""The `gpulane` command: up, api, worker, submit, status."""
+"""The `gpulane` command: up, api, worker, catalog, submit, status."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dispatcher.contract.exits import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from dispatcher.contract.exits import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+)
 from dispatcher.contract.logs import configure_logging
 from dispatcher.contract.settings import Settings, SettingsError, load_settings
 
@@ -62,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", help="worker name (default: host.pid)")
     worker.add_argument("--redis-url")
 
+    catalog = sub.add_parser(
+        "catalog", help="publish the task types of the configured task modules to Redis"
+    )
+    catalog.add_argument("--tasks", type=_csv, help="task modules (default: task_modules)")
+    catalog.add_argument("--redis-url")
+    catalog.add_argument(
+        "--print", action="store_true", dest="print_only", help="print it; touch no Redis"
+    )
+
     submit = sub.add_parser("submit", help="submit a task (a document, or --type/--args)")
     submit.add_argument("file", nargs="?", type=Path)
     submit.add_argument("--type")
@@ -111,6 +126,7 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from dispatcher.api.app import create_app
+    from dispatcher.api.guard import server_options
 
     if not settings.tenants and not _loopback(settings.host):
         log.warning(
@@ -124,6 +140,7 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
         "log_config": None,
         "access_log": False,
         "timeout_graceful_shutdown": 5,
+        **server_options(settings),
     }
     if settings.api_workers == 1:
         uvicorn.run(create_app(settings), **where, **common)
@@ -158,6 +175,12 @@ def _cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
         name=ns.name,
         per_gpu=ns.per_gpu,
     )
+
+
+def _cmd_catalog(ns: argparse.Namespace, settings: Settings) -> int:
+    from dispatcher.ops.catalog import publish_catalog
+
+    return publish_catalog(settings, ns.tasks or settings.task_modules, ns.print_only)
 
 
 def _api_url(ns: argparse.Namespace, settings: Settings) -> str:
@@ -204,6 +227,7 @@ _COMMANDS = {
     "up": _cmd_up,
     "api": _cmd_api,
     "worker": _cmd_worker,
+    "catalog": _cmd_catalog,
     "submit": _cmd_submit,
     "status": _cmd_status,
 }
@@ -214,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = _settings(ns)
     except SettingsError as exc:
-        print(f"gpulane: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"gpulane {ns.command}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     configure_logging(settings.log_level, settings.log_format)
     return _COMMANDS[ns.command](ns, settings)
 

@@ -105,13 +105,16 @@ class Child:
 
 
 def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the supervisor dies without stopping it."""
+    """Linux: the child gets SIGTERM if the supervisor dies without stopping it (even
+    by SIGKILL). Runs in the child between fork and exec."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() == 1:  # the supervisor died before prctl took effect
+            os._exit(1)
 
 
 def _terminate(children: list[Child], within_s: float) -> None:
@@ -255,7 +258,10 @@ class Supervisor:
         self._claim_data_dir()
         env = dict(os.environ)
         if self.settings.redis_url is None:
-            self.redis = EmbeddedRedis(self.data_dir / "redis")
+            self.redis = EmbeddedRedis(self.data_dir / "redis", preexec_fn=_die_with_parent)
+            stale = self.redis.stop_stale()
+            if stale:
+                say(f"stopped a stale private redis-server (pid {stale}) left in {self.data_dir}")
             self.redis.start()
             env["GPULANE_REDIS_URL"] = self.redis.url
             say(f"redis {self.redis.url} (private, AOF on, data in {self.data_dir / 'redis'})")

@@ -141,3 +141,17 @@ def record(args: RecordArgs, ctx: TaskContext) -> None:
     tests assert instead of comparing clock readings (milliseconds tie)."""
     with open(args.path, "a") as log:
         log.write(args.tag + "\n")
+
+
+class HogArgs(BaseModel):
+    mb: int = Field(1, ge=1, le=4096)
+
+
+_HELD: list[bytes] = []  # what test.hog leaves behind, as a leaky task would
+
+
+@task("test.hog")
+def hog(args: HogArgs, ctx: TaskContext) -> dict[str, Any]:
+    """Allocate ``mb`` MiB (touched, so resident) and keep it after the task ends."""
+    _HELD.append(b"\x01" * (args.mb * 1024 * 1024))
+    return {"pid": os.getpid(), "held_mb": sum(len(b) for b in _HELD) // (1024 * 1024)}

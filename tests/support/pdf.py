@@ -42,3 +42,21 @@ def make_pdf(pages: list[str], title: str = "gpulane sample") -> bytes:
         xref,
     )
     return bytes(out)
+
+
+def make_bomb_pdf(decoded_mib: int) -> bytes:
+    """A one-page PDF whose content stream is small compressed and ``decoded_mib`` MiB
+    inflated (blanks, then one text line): a decompression bomb."""
+    import zlib
+
+    packer = zlib.compressobj(9)
+    blank = b" " * (1024 * 1024)
+    packed = b"".join(packer.compress(blank) for _ in range(decoded_mib))
+    packed += packer.compress(b"BT /F1 18 Tf 72 720 Td (boom) Tj ET") + packer.flush()
+    good = make_pdf(["x"])
+    plain = b"BT /F1 18 Tf 72 720 Td (x) Tj ET"
+    old = b"<< /Length %d >>\nstream\n%s\nendstream" % (len(plain), plain)
+    new = b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(packed), packed)
+    body = good.replace(old, new)
+    # The cross-reference offsets are now wrong; PDF readers rebuild them (pdfium does).
+    return body

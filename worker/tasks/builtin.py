@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker.registry import TaskContext, TaskFailure, task
+from worker.tasks.inflate import check_inflation
 
 __all__ = ["EchoArgs", "ExtractArgs", "SleepArgs"]
 
@@ -61,6 +62,11 @@ def extract(args: ExtractArgs, ctx: TaskContext) -> dict[str, Any]:
     import pypdfium2 as pdfium  # imported here so workers without documents start lighter
 
     assert ctx.file is not None  # file="required": the API refuses submissions without one
+    too_much = check_inflation(ctx.file.data)
+    if too_much:  # before the PDF library decodes it: a decompression bomb stays small
+        raise TaskFailure(
+            "document_too_large", f"{ctx.file.name!r} is refused: {too_much} when decoded."
+        )
     try:
         pdf = pdfium.PdfDocument(ctx.file.data, password=args.password)
     except pdfium.PdfiumError as exc:

@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from redis.exceptions import RedisError
 
@@ -36,19 +37,24 @@ _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-_TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript"}
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".png": "image/png",
+}
 
 
 def _load_static() -> dict[str, tuple[bytes, str, str]]:
-    """name -> (bytes, content type, ETag). Read once: three small files, served from
-    memory, and an unknown name can never reach the file system."""
+    """name -> (bytes, content type, ETag). Read once: the dashboard's files and Swagger
+    UI's (about 2 MB), served from memory; an unknown name never reaches the file system."""
     out = {}
     for entry in resources.files("dispatcher.api").joinpath("static").iterdir():
         suffix = "." + entry.name.rsplit(".", 1)[-1]
         if entry.is_file() and suffix in _TYPES:
             body = entry.read_bytes()
             etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
-            out[entry.name] = (body, f"{_TYPES[suffix]}; charset=utf-8", etag)
+            out[entry.name] = (body, _TYPES[suffix], etag)
     return out
 
 
@@ -134,6 +140,20 @@ async def dashboard(request: Request) -> Response:
     """Queues, latency, rejections and workers, refreshed every second from `/queues`,
     `/workers` and `/stats`. Self-contained: no CDN, works offline."""
     return _asset("index.html", request)
+
+
+@router.get("/docs", include_in_schema=False)
+async def swagger_ui(request: Request) -> Response:
+    """Swagger UI from this origin (dispatcher/api/static, swagger-ui-dist): it works
+    offline and on air-gapped hosts, unlike FastAPI's default CDN page."""
+    root = request.scope.get("root_path", "")
+    return get_swagger_ui_html(
+        openapi_url=f"{root}{request.app.openapi_url}",
+        title="gpulane API",
+        swagger_js_url=f"{root}/static/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}/static/swagger-ui.css",
+        swagger_favicon_url=f"{root}/static/swagger-favicon.png",
+    )
 
 
 @router.get("/static/{name}", include_in_schema=False)

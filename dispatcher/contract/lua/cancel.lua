@@ -1,12 +1,13 @@
 -- Cancel a task. Queued: it leaves the queue and ends 'canceled' now. Running: the
 -- worker holding it is told through its control list (it acts within a heartbeat).
--- ARGV[1]: {id, tenant ('' = any tenant, for admins), ttl_s}.
+-- ARGV[1]: {id, tenant, any_tenant (true: admins, who may cancel any tenant's task), ttl_s}.
+-- The tenant must match exactly unless any_tenant is true; '' is never a wildcard.
 -- Returns {'canceled', class, type} | {'cancel_requested'} | {'conflict', status}
 --       | {'not_found'}.
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota', 'type')
-if not f[1] or (o.tenant ~= '' and f[2] ~= o.tenant) then return {'not_found'} end
+if not f[1] or (o.any_tenant ~= true and f[2] ~= o.tenant) then return {'not_found'} end
 if FINAL[f[1]] then return {'conflict', f[1]} end
 if f[1] == 'queued' then
   redis.call('LREM', K.queue(f[3]), 0, o.id)

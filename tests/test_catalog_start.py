@@ -1,0 +1,94 @@
+"""A fresh deployment takes work before its first worker is ready: the configured task
+types are published at API start (or by `gpulane catalog`), from worker code run in a
+subprocess with CUDA hidden; a worker is `starting` until its own types are published."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import redis
+from conftest import WorkerFactory, make_settings
+
+from dispatcher.contract import keys
+from testkit import REPO, TEST_TASKS, ApiServer, wait_for, worker_env
+
+BUILTIN = {"echo", "sleep", "document.extract"}
+
+
+def test_a_fresh_api_knows_the_configured_types(
+    redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]
+) -> None:
+    assert r.hlen(keys.CATALOG) == 0  # a fresh Redis, no worker ever ran
+    api = api_factory(make_settings(redis_url, catalog_on_start=True))
+    with httpx.Client(base_url=api.url, timeout=30) as http:
+        batch = http.post("/tasks", json={"type": "sleep", "args": {"seconds": 1}})
+        assert batch.status_code == 202, batch.text
+        assert batch.json()["status"] == "queued"
+        interactive = http.post("/tasks", json={"type": "echo", "class": "interactive"})
+        assert interactive.status_code == 503 and interactive.json()["error"] == "no_workers"
+        bad = http.post("/tasks", json={"type": "sleep", "args": {"seconds": -1}})
+        assert bad.status_code == 422  # the published schema is enforced
+        unknown = http.post("/tasks", json={"type": "test.env"})  # not a configured module
+        assert unknown.status_code == 422
+        assert unknown.json()["error"] == "unknown_task_type"
+        assert set(unknown.json()["known"]) == BUILTIN
+    assert {k.decode() for k in r.hkeys(keys.CATALOG)} == BUILTIN
+
+
+def test_catalog_command_publishes_and_refuses_a_broken_module(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    env = worker_env(redis_url)
+    cli = [sys.executable, "-m", "dispatcher.ops.cli", "catalog"]
+    done = subprocess.run(
+        [*cli, "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    published = {k.decode() for k in r.hkeys(keys.CATALOG)}
+    assert BUILTIN | {"test.env", "test.fail"} <= published
+    # The subprocess sees no GPU: CUDA is hidden before task modules load.
+    entry = json.loads(r.hget(keys.CATALOG, "sleep") or b"{}")
+    assert entry["schema"]["properties"]["seconds"]["maximum"] == 86400
+
+    (tmp_path / "broken_tasks.py").write_text("raise ImportError('needs torch')\n")
+    env["PYTHONPATH"] += f":{tmp_path}"
+    broken = subprocess.run(
+        [*cli, "--tasks", "broken_tasks"], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert broken.returncode == 1
+    assert "needs torch" in broken.stderr and "Traceback" not in broken.stderr
+
+
+GATED = """
+import os, time
+from worker import task
+while not os.path.exists({gate!r}):
+    time.sleep(0.02)
+@task("test.gated")
+def gated(args, ctx):
+    return {{"cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}
+"""
+
+
+def test_a_worker_is_starting_until_its_types_are_published(
+    r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    (tmp_path / "gated_tasks.py").write_text(GATED.format(gate=str(gate)))
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'support'}:{tmp_path}"}
+    worker = start_worker("gated", wait=False, env=env, extra=["--tasks", "gated_tasks"])
+    wait_for(lambda: r.hget(keys.worker("gated"), "state") == b"starting", 20, what="starting")
+    assert not r.hexists(keys.CATALOG, "test.gated")
+    gate.touch()
+    wait_for(lambda: r.hget(keys.worker("gated"), "state") == b"idle", 20, what="idle")
+    assert r.hexists(keys.CATALOG, "test.gated") and worker.alive()
