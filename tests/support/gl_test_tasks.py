@@ -141,3 +141,18 @@ def record(args: RecordArgs, ctx: TaskContext) -> None:
     tests assert instead of comparing clock readings (milliseconds tie)."""
     with open(args.path, "a") as log:
         log.write(args.tag + "\n")
+
+
+class StepsArgs(BaseModel):
+    steps: int = Field(3, ge=1, le=100)
+    step_s: float = Field(0.3, ge=0, le=10)
+
+
+@task("test.steps")
+def steps(args: StepsArgs, ctx: TaskContext) -> dict[str, Any]:
+    """Report progress after each of ``steps`` sleeps of ``step_s`` (keep ``step_s``
+    above the worker's 0.25 s progress throttle to see every step)."""
+    for index in range(args.steps):
+        time.sleep(args.step_s)
+        ctx.progress((index + 1) / args.steps, f"step {index + 1} of {args.steps}")
+    return {"steps": args.steps}

@@ -28,6 +28,12 @@ local function iso(ms)
     math.floor(rem / 3600), math.floor(rem % 3600 / 60), rem % 60, (ms % 1000) * 1000)
 end
 
+-- Tell every API process that task `id` changed (status or progress): its waiters
+-- re-read the record (long-polls, Prefer: wait, event streams).
+local function notify(id)
+  redis.call('PUBLISH', K.EVENTS, id)
+end
+
 -- Ring the doorbell of one worker parked on this class. It leaves every idle set, so
 -- a second task does not wake the same worker while another one sits idle.
 local function wake(cls, classes)
@@ -50,6 +56,7 @@ local function finalize(id, status, now, ttl, extra, quota_tenant)
   redis.call('EXPIRE', jk, ttl)
   redis.call('DEL', K.file(id))
   if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
+  notify(id)
 end
 
 -- The tenant whose max_in_flight a task counts against, from its 'tenant' and 'quota'
@@ -66,6 +73,7 @@ local function requeue(id, cls, classes, extra, at_head)
     'started_at', '', 'device', '', 'progress', '', unpack(extra))
   redis.call(at_head and 'LPUSH' or 'RPUSH', K.queue(cls), id)
   wake(cls, classes)
+  notify(id)
 end
 
 -- The worker holding task `id` died, or (`fault` given: {code, message}) it hit a GPU
