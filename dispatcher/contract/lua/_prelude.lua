@@ -49,12 +49,13 @@ end
 
 -- Write a final status once: the record expires after ttl, the upload goes at once,
 -- and the task stops counting against its tenant's max_in_flight (when it counted:
--- `quota_tenant` is the tenant then, else false).
-local function finalize(id, status, now, ttl, extra, quota_tenant)
+-- `quota_tenant` is the tenant then, else false). `no_file`: the caller read
+-- has_file ~= '1', so there is no upload to delete (one command less per task).
+local function finalize(id, status, now, ttl, extra, quota_tenant, no_file)
   local jk = K.job(id)
   redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, unpack(extra))
   redis.call('EXPIRE', jk, ttl)
-  redis.call('DEL', K.file(id))
+  if not no_file then redis.call('DEL', K.file(id)) end
   if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
   notify(id)
 end
