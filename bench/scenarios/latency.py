@@ -130,8 +130,9 @@ def _measure(http: httpx.Client, mode: str, n: int) -> dict[str, list[float]]:
 
 
 # -- waiters ----------------------------------------------------------------------------
-def redis_connections(pid: int, redis_port: int) -> int:
-    """Established TCP connections of process ``pid`` to ``redis_port`` (from /proc)."""
+def tcp_connections(pid: int, port: int, remote: bool = True) -> int:
+    """Established TCP connections of process ``pid`` whose remote (or, with ``remote``
+    False, local) port is ``port``, from /proc."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -145,45 +146,50 @@ def redis_connections(pid: int, redis_port: int) -> int:
         path = Path(f"/proc/{pid}/net/{table}")
         for line in path.read_text().splitlines()[1:] if path.exists() else []:
             fields = line.split()
-            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
-            if fields[3] == "01" and remote_port == redis_port and fields[9] in inodes:
+            their = int(fields[2 if remote else 1].rsplit(":", 1)[1], 16)
+            if fields[3] == "01" and their == port and fields[9] in inodes:
                 count += 1
     return count
 
 
-async def _park_waiters(url: str, ids: list[str], n: int, settle_s: float) -> dict[str, Any]:
-    """Open ``n`` long-polls, let them settle, and return them running (not answered)."""
-    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
-    client = httpx.AsyncClient(base_url=url, timeout=120, limits=limits)
+async def _park_waiters(
+    client: httpx.AsyncClient, api_pid: int, api_port: int, ids: list[str], n: int
+) -> list[asyncio.Task[httpx.Response]]:
+    """Open ``n`` long-polls; return once the API holds all ``n`` connections and they
+    had a moment to register (the long-polls are still running)."""
     polls = [
         asyncio.create_task(client.get(f"/tasks/{ids[i % len(ids)]}", params={"wait": 60}))
         for i in range(n)
     ]
-    await asyncio.sleep(settle_s)
-    return {"client": client, "polls": polls}
+    deadline = time.monotonic() + 60
+    while tcp_connections(api_pid, api_port, remote=False) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the long-polls did not all connect in 60 s")
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # the last requests reach their handlers
+    return polls
 
 
 async def _waiters(stack: Stack, api_pid: int, url: str, size: Size) -> dict[str, Any]:
-    with httpx.Client(base_url=url) as http:
-        ids = [
-            http.post("/tasks", json={"type": "echo", "class": "batch", "args": {}}).json()["id"]
-            for _ in range(20)
-        ]  # batch: no worker serves it, so they stay queued
+    api_port = int(url.rsplit(":", 1)[1])
+    limits = httpx.Limits(max_connections=size.waiters + 10)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        body = {"type": "echo", "class": "batch", "args": {}}
+        ids = [(await client.post("/tasks", json=body)).json()["id"] for _ in range(20)]
+        # batch: no worker serves it, so they stay queued
         before = rss_mb(api_pid)["VmRSS"]
-        conns_before = redis_connections(api_pid, stack.port)
-        settle_s = 2.0 + size.waiters / 200
+        conns_before = tcp_connections(api_pid, stack.port)
         started = time.monotonic()
-        parked = await _park_waiters(url, ids, size.waiters, settle_s)
-        answered_early = sum(poll.done() for poll in parked["polls"])
+        polls = await _park_waiters(client, api_pid, api_port, ids, size.waiters)
+        answered_early = sum(poll.done() for poll in polls)
         during = rss_mb(api_pid)["VmRSS"]
-        conns = redis_connections(api_pid, stack.port)
+        conns = tcp_connections(api_pid, stack.port)
         pubsub = sum("P" in c.get("flags", "") for c in stack.client().client_list())
         released = time.monotonic()
         for task_id in ids:  # a cancel is a change: every waiter answers now
-            http.delete(f"/tasks/{task_id}")
-        replies = await asyncio.gather(*parked["polls"], return_exceptions=True)
+            await client.delete(f"/tasks/{task_id}")
+        replies = await asyncio.gather(*polls, return_exceptions=True)
         release_s = time.monotonic() - released
-        await parked["client"].aclose()
     canceled = sum(
         1 for r in replies if isinstance(r, httpx.Response) and r.json().get("status") == "canceled"
     )
@@ -313,7 +319,7 @@ def run(size: str, outdir: Path) -> Report:
                 ["pub/sub connections on Redis (all clients)", w["pubsub_connections"]],
                 ["answered before the release (should be 0)", w["answered_early"]],
                 ["answered 'canceled' after the 20 cancels", w["answered_canceled"]],
-                ["time to open them all, s", w["open_s"]],
+                ["time to open them all (and 1 s to settle), s", w["open_s"]],
                 ["time from the cancels to the last answer, s", w["release_s"]],
             ],
         )

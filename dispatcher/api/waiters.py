@@ -54,22 +54,42 @@ Receive = Callable[[], Awaitable[Any]]  # an ASGI receive callable
 
 
 class Watch:
-    """One waiter on one task id; each notification of the id sets its event."""
+    """One waiter on one task id. A notification that arrives while nobody waits is
+    kept (``pending``) for the next :meth:`next`, so none falls between two waits."""
 
-    __slots__ = ("event", "task_id")
+    __slots__ = ("_future", "pending", "task_id")
 
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
-        self.event = asyncio.Event()
+        self.pending = False
+        self._future: asyncio.Future[bool] | None = None
+
+    def notify(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(True)
+        else:
+            self.pending = True
 
     async def next(self, timeout_s: float) -> bool:
-        """Wait for the next notification (True) or ``timeout_s`` (False)."""
+        """Wait for the next notification (True) or ``timeout_s`` (False). A future and
+        a timer, no task: this sits on the path from a task's end to its answer."""
+        if self.pending:
+            self.pending = False
+            return True
+        loop = asyncio.get_running_loop()
+        future = self._future = loop.create_future()
+        timer = loop.call_later(max(timeout_s, 0.0), _expire, future)
         try:
-            await asyncio.wait_for(self.event.wait(), max(timeout_s, 0.0))
-        except TimeoutError:
-            return False
-        self.event.clear()
-        return True
+            notified: bool = await future
+            return notified
+        finally:
+            timer.cancel()
+            self._future = None
+
+
+def _expire(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
 
 
 def change_kind(last: dict[str, Any] | None, record: dict[str, Any]) -> EventKind | None:
@@ -120,12 +140,12 @@ class Waiters:
 
     def _wake(self, task_id: str) -> None:
         for watch in self._by_id.get(task_id, ()):
-            watch.event.set()
+            watch.notify()
 
     def _wake_all(self) -> None:
         for watches in self._by_id.values():
             for watch in watches:
-                watch.event.set()
+                watch.notify()
 
     def _poll_s(self) -> float:
         return ONLINE_POLL_S if self.online else OFFLINE_POLL_S
