@@ -255,7 +255,8 @@ async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) ->
     try:
         await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (job, gone):
-            task.cancel()
-        await asyncio.gather(job, gone, return_exceptions=True)
+        gone.cancel()
+        if not job.done():  # the client left (or we were canceled): its watch goes now
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
     return None if job.cancelled() else job.result()  # result() raises what work raised
