@@ -340,6 +340,13 @@ def run(size: str, outdir: Path) -> Report:
             ],
         )
     )
+    report.notes += [
+        "Redis connections: the API's command pool (the maintenance loop and requests "
+        "overlapping open a second one, before any waiter) plus one pub/sub connection, "
+        "whatever the number of waiters; no waiter adds a connection.",
+        "The p99 rows move with the machine's load (see the load average above): one "
+        "task at a time, a descheduled process shows up directly in the tail.",
+    ]
     report.charts.append(_chart(data, outdir))
     report.write(outdir)
     return report
