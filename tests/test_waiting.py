@@ -132,6 +132,20 @@ def test_event_stream_reports_each_change_and_ends_final(
         assert [kind for kind, _ in events(response)] == ["final"]
 
 
+def test_a_quiet_event_stream_keeps_alive_and_ends_after_events_max_s(
+    known_types: None, redis_url: str, api_factory: ApiFactory
+) -> None:
+    api = api_factory(make_settings(redis_url, events_keepalive_s=0.2, events_max_s=1.0))
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        task = submit(http, "echo", {})  # batch, no worker: nothing changes
+        with http.stream("GET", f"/tasks/{task['id']}/events") as response:
+            lines = list(response.iter_lines())  # ends: the server closed the stream
+    assert lines[0] == "retry: 1000"
+    assert [line for line in lines if line.startswith("event: ")] == ["event: status"]
+    assert lines.count(": keep-alive") >= 2
+    assert waiters(api).count == 0
+
+
 def test_waiting_keeps_tenants_apart(
     known_types: None, redis_url: str, api_factory: ApiFactory
 ) -> None:

@@ -14,6 +14,9 @@ Routes use two calls:
   (``Prefer: wait``, ``GET /tasks/<id>?wait=N``);
 - :meth:`Waiters.follow`: each status or progress change until final (the event stream).
 
+A route waiting on several tasks (one per input of a batch request) gathers one
+``until_final`` per id: each is a watch and a re-read per change, nothing more.
+
 :func:`unless_disconnected` runs a wait but gives up the moment the HTTP client goes
 away (ASGI servers do not cancel a request handler when its client disconnects), so
 a client that leaves mid-wait frees its watch at once.
