@@ -172,3 +172,19 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
         published.append(message["data"].decode())
     assert published == [task_id, task_id, plain_id, plain_id]  # submit publishes nothing
     events.close()
+
+
+def test_a_dead_workers_task_is_published_when_given_back(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    task_id = _submit(s)
+    _register(s, "gone")
+    assert _claim(s, "gone")[0].decode() == task_id
+    events = r.pubsub()
+    events.subscribe(keys.EVENTS)
+    assert events.get_message(timeout=5)["type"] == "subscribe"
+    _expire_lease(r, "gone")
+    reaped = parse_reaped(s.run("reap", reap_options(SETTINGS)))
+    assert [(x.task_id, x.outcome) for x in reaped] == [(task_id, "requeued")]
+    message = events.get_message(timeout=5)
+    assert message is not None and message["data"].decode() == task_id
+    events.close()
