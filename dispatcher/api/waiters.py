@@ -218,9 +218,11 @@ class Waiters:
             except (RedisError, OSError) as exc:
                 if self.online:
                     log.warning("task events subscription lost: %s", exc)
-                self.online = False
-                self._wake_all()  # they fall back to periodic re-reads meanwhile
-                await asyncio.sleep(backoff.next())
+            except Exception:  # a bug must not end the subscription for good
+                log.exception("task events subscription failed; subscribing again")
+            self.online = False
+            self._wake_all()  # they fall back to periodic re-reads meanwhile
+            await asyncio.sleep(backoff.next())
 
     async def _subscribe_and_listen(self, backoff: Backoff) -> None:
         pubsub = self.client.pubsub()

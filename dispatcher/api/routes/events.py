@@ -12,11 +12,13 @@ isolation are checked before the stream starts, so they answer as JSON errors.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from redis.exceptions import RedisError
 
 from dispatcher.api.deps import caller, extra_headers, services
 from dispatcher.api.errors import ApiError
@@ -25,6 +27,7 @@ from dispatcher.api.waiters import Waiters
 __all__ = ["router", "sse"]
 
 router = APIRouter()
+log = logging.getLogger("gpulane.api")
 
 _RETRY_MS = 1000  # how soon an EventSource reconnects after the stream ends
 
@@ -44,6 +47,8 @@ async def _stream(
     try:
         async for kind, record in events:
             yield sse(kind, record)
+    except RedisError as exc:  # the status line is long gone: end the stream, it reconnects
+        log.warning("event stream of task %s ended: redis unavailable (%s)", task_id, exc)
     finally:
         await events.aclose()  # its watch goes now, not when collected
 
