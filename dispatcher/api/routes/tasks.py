@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from dispatcher.api import admission
@@ -218,13 +218,24 @@ def _not_found(task_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
 
 
+_WAIT_DOC = (
+    "Seconds to wait for the task to be final (0 to wait_max_s, default 60; longer is "
+    "clamped). Answers the moment it is final, else with the live record after them."
+)
+
+
 @router.get("/tasks/{task_id}", tags=["tasks"])
-async def get_task(task_id: str, request: Request, response: Response) -> dict[str, Any]:
+async def get_task(
+    task_id: str,
+    request: Request,
+    response: Response,
+    wait: str | None = Query(None, description=_WAIT_DOC),  # parsed here: 400, not 422
+) -> dict[str, Any]:
     """The task record: status, position, progress, result or error, timings. With
     `?wait=N`: as soon as the task is final, or as it is after N seconds."""
     svc = services(request)
     principal = await caller(request, response)
-    wait_s = query_wait(request.query_params.get("wait"), svc.settings.wait_max_s)
+    wait_s = query_wait(wait, svc.settings.wait_max_s)
     record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
     if record is None:
         raise _not_found(task_id)
