@@ -12,7 +12,10 @@ Scenarios, each in :mod:`bench.scenarios`:
 - ``api``: accepted HTTP submits per second and their latency under concurrency;
 - ``memory``: resident memory of an idle worker and of the API after load;
 - ``priority``: interactive waits under a batch flood, shared pool or one reserved worker;
-- ``recovery``: SIGKILL of a busy worker until its task runs again, against plain RQ.
+- ``recovery``: SIGKILL of a busy worker until its task runs again, against plain RQ;
+- ``latency``: when a client sees a 20 ms task's result (``Prefer: wait``, long-poll,
+  SSE, 0.5 s polling) against its run time, and API memory and Redis connections
+  with 1,000 concurrent long-polls.
 
 Every scenario starts its own ``redis-server`` and real ``gpulane`` processes and
 writes a markdown table and PNG charts to ``bench/results/``. Benchmarks are never

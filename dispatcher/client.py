@@ -4,7 +4,7 @@
 
     with Client("http://127.0.0.1:8000") as gl:
         task = gl.submit("sleep", {"seconds": 2}, cls="interactive")
-        done = gl.wait(task["id"])
+        done = gl.wait(task["id"])      # long-polls: returns the moment it ends
 
 Both honour backpressure: a ``429`` or ``503`` is retried after its ``Retry-After``
 (plus jitter, at most ``max_retries`` times); a submit carries an ``Idempotency-Key``
@@ -80,6 +80,7 @@ class _Request:
     data: dict[str, str] | None = None
     files: dict[str, tuple[str, bytes, str]] | None = None
     headers: dict[str, str] | None = None
+    timeout_s: float | None = None  # None: the client's own
 
 
 def _submit_request(
@@ -149,6 +150,26 @@ def _delay(attempt: int, response: httpx.Response | None, max_delay_s: float) ->
     return min(base, max_delay_s) + random.uniform(0, 0.1 + base * 0.1)  # noqa: S311
 
 
+_LONG_POLL_SLACK_S = 10.0  # on top of a long-poll's wait, for the answer to arrive
+
+
+def _long_poll(task_id: str, wait_s: float, deadline: float | None) -> tuple[_Request, float]:
+    """``GET /tasks/<id>?wait=N`` for the next step of :meth:`Client.wait`, and its N."""
+    n = wait_s if deadline is None else max(min(wait_s, deadline - time.monotonic()), 0.0)
+    req = _Request("GET", f"/tasks/{task_id}?wait={n:.3f}", timeout_s=n + _LONG_POLL_SLACK_S)
+    return req, n
+
+
+def _early(started: float, n: float) -> float:
+    """Seconds to pause when a long-poll came back unfinished well before its N (a
+    server without ``?wait``): then the client polls every 0.5 s, not in a tight loop."""
+    return 0.5 if time.monotonic() - started < n / 2 else 0.0
+
+
+def _timed_out(task_id: str, record: dict[str, Any], timeout_s: float | None) -> TimeoutError:
+    return TimeoutError(f"task {task_id} still {record['status']} after {timeout_s} s")
+
+
 def _retryable(response: httpx.Response) -> bool:
     return response.status_code in (429, 503)
 
@@ -161,12 +182,15 @@ class _Base:
         self.max_delay_s = max_delay_s
 
     def _kwargs(self, req: _Request) -> dict[str, Any]:
-        return {
+        kwargs: dict[str, Any] = {
             "json": req.json,
             "data": req.data,
             "files": req.files,
             "headers": {**self.headers, **(req.headers or {})},
         }
+        if req.timeout_s is not None:
+            kwargs["timeout"] = req.timeout_s
+        return kwargs
 
     def _retry_in(self, attempt: int, response: httpx.Response | None) -> float | None:
         """Seconds to wait before trying again, or None to stop here. A transport error
@@ -254,20 +278,24 @@ class Client(_Base):
         task_id: str,
         *,
         timeout_s: float | None = None,
-        poll_s: float = 0.5,
+        wait_s: float = 30.0,
         on_update: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """Poll until the task is final; ``on_update`` sees every record read."""
+        """Long-poll (``GET /tasks/<id>?wait=N``, N at most ``wait_s``) until the task is
+        final: the answer comes the moment it ends. ``on_update`` sees every record
+        read: one per long-poll, so a smaller ``wait_s`` shows progress more often."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            record = self.get(task_id)
+            req, n = _long_poll(task_id, wait_s, deadline)
+            started = time.monotonic()
+            record = self._send(req)
             if on_update:
                 on_update(record)
             if record["status"] in FINAL:
                 return record
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"task {task_id} still {record['status']} after {timeout_s} s")
-            time.sleep(poll_s)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _timed_out(task_id, record, timeout_s)
+            time.sleep(_early(started, n))
 
 
 class AsyncClient(_Base):
@@ -340,17 +368,21 @@ class AsyncClient(_Base):
         task_id: str,
         *,
         timeout_s: float | None = None,
-        poll_s: float = 0.5,
+        wait_s: float = 30.0,
         on_update: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """Poll until the task is final; ``on_update`` sees every record read."""
+        """Long-poll (``GET /tasks/<id>?wait=N``, N at most ``wait_s``) until the task is
+        final: the answer comes the moment it ends. ``on_update`` sees every record
+        read: one per long-poll, so a smaller ``wait_s`` shows progress more often."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            record = await self.get(task_id)
+            req, n = _long_poll(task_id, wait_s, deadline)
+            started = time.monotonic()
+            record = await self._send(req)
             if on_update:
                 on_update(record)
             if record["status"] in FINAL:
                 return record
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"task {task_id} still {record['status']} after {timeout_s} s")
-            await asyncio.sleep(poll_s)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _timed_out(task_id, record, timeout_s)
+            await asyncio.sleep(_early(started, n))

@@ -164,3 +164,41 @@ def test_grace_after_an_outage_covers_every_lease(r: redis.Redis) -> None:
     r.set(keys.REAPER_LAST, 1)
     assert s.run("reap", reap_options(SETTINGS)) == []
     assert min(score for _, score in r.zrange(keys.WORKERS, 0, -1, withscores=True)) > 0
+
+
+def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    events = r.pubsub()
+    events.subscribe(keys.EVENTS)
+    assert events.get_message(timeout=5)["type"] == "subscribe"
+    sub = Submission("echo", "batch", {}, timeout_s=60, tenant="t")
+    opts = submit_options(sub, SETTINGS.classes["batch"], workers=1, run_s=1.0, settings=SETTINGS)
+    task_id = s.run("submit", opts, encode_call("echo", {}), b"%PDF-1.4")[1].decode()
+    plain_id = _submit(s)
+    assert r.exists(keys.file(task_id))
+    _register(s, "w")
+    for claimed in (task_id, plain_id):
+        assert _claim(s, "w")[0].decode() == claimed  # started: published
+        assert _finish(s, "w", claimed, {}) == b"ok"  # final: published
+    assert not r.exists(keys.file(task_id))
+    published = []
+    while (message := events.get_message(timeout=0.5)) is not None:  # read them all
+        published.append(message["data"].decode())
+    assert published == [task_id, task_id, plain_id, plain_id]  # submit publishes nothing
+    events.close()
+
+
+def test_a_dead_workers_task_is_published_when_given_back(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    task_id = _submit(s)
+    _register(s, "gone")
+    assert _claim(s, "gone")[0].decode() == task_id
+    events = r.pubsub()
+    events.subscribe(keys.EVENTS)
+    assert events.get_message(timeout=5)["type"] == "subscribe"
+    _expire_lease(r, "gone")
+    reaped = parse_reaped(s.run("reap", reap_options(SETTINGS)))
+    assert [(x.task_id, x.outcome) for x in reaped] == [(task_id, "requeued")]
+    message = events.get_message(timeout=5)
+    assert message is not None and message["data"].decode() == task_id
+    events.close()

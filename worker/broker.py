@@ -183,8 +183,12 @@ class Broker:
         return bool(self._gpu("release", [slot]))
 
     def progress(self, task_id: str, fraction: float, message: str) -> None:
+        """Store the progress and tell the API's waiters (one MULTI: both or neither)."""
         value = json.dumps({"fraction": round(fraction, 4), "message": message})
-        self.client.hset(keys.job(task_id), "progress", value)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(keys.job(task_id), "progress", value)
+        pipe.publish(keys.EVENTS, task_id)
+        pipe.execute()
 
     def heartbeat(
         self, info: dict[str, str], current: RqCurrent | None, drained: Drained, tau_s: float

@@ -3,4 +3,14 @@ and ``run(size, outdir) -> Report``, and starts and stops everything it uses."""
 
 from __future__ import annotations
 
-SCENARIOS = ("overhead", "balancing", "mixed", "scaling", "api", "memory", "priority", "recovery")
+SCENARIOS = (
+    "overhead",
+    "balancing",
+    "mixed",
+    "scaling",
+    "api",
+    "memory",
+    "priority",
+    "recovery",
+    "latency",
+)

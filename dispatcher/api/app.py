@@ -3,7 +3,8 @@
 The API is stateless: any number of replicas may run against one Redis. Each one runs
 a maintenance loop every heartbeat that reaps dead workers' tasks (one pass pool-wide,
 by lock), refreshes the pool snapshot admission reads, re-reads the task catalog and
-flushes its metrics.
+flushes its metrics. Each also holds one subscription to task events, which wakes the
+requests waiting on tasks (``api/waiters.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dispatcher.api.deps import Services
 from dispatcher.api.errors import install_error_handlers
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
-from dispatcher.api.routes import observe, pool, tasks
+from dispatcher.api.routes import events, observe, pool, tasks
 from dispatcher.api.store import TaskStore
+from dispatcher.api.waiters import Waiters
 from dispatcher.contract import keys
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.metrics import Recorder
@@ -117,6 +119,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
             auth=Authenticator(settings),
             limiter=RateLimiter(store.scripts),
             recorder=Recorder(),
+            waiters=Waiters(redis, store),
         )
         app.state.services = svc
         if svc.auth.open:
@@ -130,6 +133,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         except RedisError as exc:
             log.warning("redis unreachable at start (%s); serving 503 until it answers", exc)
         task = asyncio.create_task(_maintain(svc), name="gpulane-maintenance")
+        svc.waiters.start()
         # Everything allocated so far lives as long as the process: keep it out of the
         # cyclic collector, whose full passes over it stalled every request 70-100 ms
         # each second under load (bench/README.md).
@@ -139,6 +143,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         finally:
             task.cancel()
             await svc.catalog.close()
+            await svc.waiters.stop()
             try:
                 await _flush_metrics(redis, svc.recorder)
             except RedisError:
@@ -154,7 +159,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         docs_url=None,  # served from the package instead of a CDN (routes/observe.py)
     )
     install_error_handlers(app)
-    for module in (tasks, pool, observe):
+    for module in (tasks, events, pool, observe):
         app.include_router(module.router)
     return app
 

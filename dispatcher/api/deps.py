@@ -14,6 +14,7 @@ from dispatcher.api.catalog import Catalog
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
 from dispatcher.api.store import TaskStore
+from dispatcher.api.waiters import Waiters
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 
@@ -30,6 +31,7 @@ class Services:
     auth: Authenticator
     limiter: RateLimiter
     recorder: Recorder
+    waiters: Waiters
 
 
 def services(request: Request) -> Services:

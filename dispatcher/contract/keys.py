@@ -46,6 +46,13 @@ gpulane's keys::
                                             the GPU (slots 0..per_gpu-1), PX lease_ttl;
                                             taken and renewed by gpu_lease.lua
 
+One pub/sub channel (not a key; PUBLISH/SUBSCRIBE)::
+
+    gpulane:events                   a task id, published whenever that task's status or
+                                     progress changed (claim, finish, cancel, release,
+                                     reaper, worker progress); each API process holds one
+                                     subscription and wakes its waiters (api/waiters.py)
+
 GPU claims are keyed by the card's NVML UUID alone, not by host name: a UUID names
 one physical card (or MIG instance) worldwide, while a host name is per container, so
 ``docker compose up --scale worker=4`` replicas on one machine, each with its own
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 __all__ = [
     "CATALOG",
+    "EVENTS",
     "METRICS",
     "REAPER_LAST",
     "REAPER_LOCK",
@@ -95,6 +103,7 @@ WORKERS = _P + "workers"
 METRICS = _P + "metrics"
 REAPER_LOCK = _P + "reaper:lock"
 REAPER_LAST = _P + "reaper:last"
+EVENTS = _P + "events"  # pub/sub channel: ids of tasks whose status or progress changed
 
 # One table drives both the Python functions and the Lua prelude:
 # name -> (prefix, argument names, suffix).
@@ -206,6 +215,7 @@ def lua_prelude() -> str:
         ("METRICS", METRICS),
         ("REAPER_LOCK", REAPER_LOCK),
         ("REAPER_LAST", REAPER_LAST),
+        ("EVENTS", EVENTS),
     ):
         lines.append(f"K.{name} = '{value}'")
     return "\n".join(lines) + "\n"

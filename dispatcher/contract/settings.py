@@ -171,6 +171,20 @@ class Settings(BaseSettings):
         1.0, gt=0, description="Run-time guess for wait estimates before any task finished."
     )
 
+    # Waiting for results (Prefer: wait, GET /tasks/<id>?wait=N, the event stream).
+    wait_max_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Longest `Prefer: wait` or `?wait=` honoured; longer requests are clamped.",
+    )
+    events_max_s: float = Field(
+        300.0, gt=0, description="An event stream (GET /tasks/<id>/events) closes after this."
+    )
+    events_keepalive_s: float = Field(
+        15.0, gt=0, description="Comment line sent on a quiet event stream this often."
+    )
+
     # Liveness.
     heartbeat_interval_s: float = Field(1.0, gt=0)
     lease_ttl_s: float = Field(3.0, gt=0)

@@ -71,7 +71,8 @@ def submit_and_report(
             )
             last = line
 
-    record = client.wait(task["id"], on_update=show, poll_s=0.3)
+    # Long-polls of 1 s: the result shows the moment the task ends, progress each second.
+    record = client.wait(task["id"], on_update=show, wait_s=1.0)
     if tty:
         print(file=sys.stderr)
     print(

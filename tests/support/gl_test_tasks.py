@@ -155,3 +155,18 @@ def hog(args: HogArgs, ctx: TaskContext) -> dict[str, Any]:
     """Allocate ``mb`` MiB (touched, so resident) and keep it after the task ends."""
     _HELD.append(b"\x01" * (args.mb * 1024 * 1024))
     return {"pid": os.getpid(), "held_mb": sum(len(b) for b in _HELD) // (1024 * 1024)}
+
+
+class StepsArgs(BaseModel):
+    steps: int = Field(3, ge=1, le=100)
+    step_s: float = Field(0.3, ge=0, le=10)
+
+
+@task("test.steps")
+def steps(args: StepsArgs, ctx: TaskContext) -> dict[str, Any]:
+    """Report progress after each of ``steps`` sleeps of ``step_s`` (keep ``step_s``
+    above the worker's 0.25 s progress throttle to see every step)."""
+    for index in range(args.steps):
+        time.sleep(args.step_s)
+        ctx.progress((index + 1) / args.steps, f"step {index + 1} of {args.steps}")
+    return {"steps": args.steps}

@@ -1,11 +1,17 @@
-"""Task routes: submit, read and cancel (``docs/design.md``, "HTTP API")."""
+"""Task routes: submit, read and cancel (``docs/design.md``, "HTTP API").
+
+``POST /tasks`` with ``Prefer: wait=N`` and ``GET /tasks/<id>?wait=N`` wait for the
+task through the process's :class:`dispatcher.api.waiters.Waiters`; the event stream
+is in :mod:`dispatcher.api.routes.events`.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from dispatcher.api import admission
@@ -14,10 +20,15 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.pool import ClassState, Snapshot
 from dispatcher.api.store import Submission, SubmitResult
 from dispatcher.api.submission import parse_submission
+from dispatcher.api.waiters import unless_disconnected
+from dispatcher.contract.jobs import FINAL
 
 __all__ = ["router"]
 
 router = APIRouter()
+
+_DELTA_SECONDS = re.compile(r"[0-9]{1,9}")
+_MAX_WAIT_PARAM = 32  # characters of ?wait= worth parsing
 
 _SUBMIT_BODY: dict[str, Any] = {
     "requestBody": {
@@ -51,6 +62,37 @@ _SUBMIT_BODY: dict[str, Any] = {
         },
     }
 }
+
+
+def prefer_wait(values: list[str], max_s: float) -> int | None:
+    """Seconds of ``Prefer: wait=N`` (RFC 7240) clamped to ``max_s``, or None. A
+    preference is a hint: one that is malformed (not delta-seconds) is ignored, as the
+    RFC asks; the last well-formed ``wait`` wins."""
+    found: int | None = None
+    for value in values:
+        for preference in value[:1024].split(","):
+            name, _, rest = preference.split(";", 1)[0].partition("=")
+            word = rest.strip().strip('"')
+            if name.strip().lower() == "wait" and _DELTA_SECONDS.fullmatch(word):
+                found = int(word)
+    if not found:
+        return None
+    return min(found, int(max_s)) or None
+
+
+def query_wait(raw: str | None, max_s: float) -> float:
+    """``?wait=N``: seconds to wait (0: none), clamped to ``max_s``; 400 when not a
+    finite number ≥ 0."""
+    if raw is None:
+        return 0.0
+    try:
+        seconds = float(raw) if len(raw) <= _MAX_WAIT_PARAM else math.nan
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        message = f"wait must be a number of seconds, 0 to {max_s:g}; got {raw[:40]!r}."
+        raise ApiError(400, "invalid_request", message)
+    return min(seconds, max_s)
 
 
 def _backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:
@@ -114,6 +156,11 @@ async def submit_task(request: Request) -> JSONResponse:
     if result.verdict in ("queue_full", "no_workers", "over_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
         raise _refusal(result, state, sub)
+    wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
+    if wait_s is not None:
+        final = await _wait_final(request, svc, result.task_id, principal.task_scope, wait_s)
+        if final is not None:
+            return _final_response(request, result, state, final, wait_s)
     body: dict[str, Any] = {
         "id": result.task_id,
         "status": result.status,
@@ -135,18 +182,66 @@ async def submit_task(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=202, headers=headers)
 
 
+async def _wait_final(
+    request: Request, svc: Services, task_id: str, scope: str | None, wait_s: float
+) -> dict[str, Any] | None:
+    """The record once final within ``wait_s``, else None (also if the client left)."""
+    work = svc.waiters.until_final(task_id, scope, wait_s)
+    record = await unless_disconnected(request.receive, work)
+    return record if record is not None and record["status"] in FINAL else None
+
+
+def _final_response(
+    request: Request,
+    result: SubmitResult,
+    state: ClassState,
+    record: dict[str, Any],
+    wait_s: int,
+) -> JSONResponse:
+    """``200`` with the final record: the task ended within ``Prefer: wait``."""
+    headers = {
+        **extra_headers(request),
+        "Location": f"/tasks/{result.task_id}",
+        "Preference-Applied": f"wait={wait_s}",
+    }
+    if result.verdict == "duplicate":
+        headers["Idempotent-Replayed"] = "true"
+    else:
+        svc = services(request)
+        svc.recorder.count("submitted", result.cls, result.task_type)
+        pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
+        headers.update(_backpressure(result.depth, result.estimated_wait_s, pressure))
+    return JSONResponse(record, status_code=200, headers=headers)
+
+
 def _not_found(task_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
 
 
+_WAIT_DOC = (
+    "Seconds to wait for the task to be final (0 to wait_max_s, default 60; longer is "
+    "clamped). Answers the moment it is final, else with the live record after them."
+)
+
+
 @router.get("/tasks/{task_id}", tags=["tasks"])
-async def get_task(task_id: str, request: Request, response: Response) -> dict[str, Any]:
-    """The task record: status, position, progress, result or error, timings."""
+async def get_task(
+    task_id: str,
+    request: Request,
+    response: Response,
+    wait: str | None = Query(None, description=_WAIT_DOC),  # parsed here: 400, not 422
+) -> dict[str, Any]:
+    """The task record: status, position, progress, result or error, timings. With
+    `?wait=N`: as soon as the task is final, or as it is after N seconds."""
     svc = services(request)
     principal = await caller(request, response)
+    wait_s = query_wait(wait, svc.settings.wait_max_s)
     record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
     if record is None:
         raise _not_found(task_id)
+    if wait_s > 0 and record["status"] not in FINAL:
+        work = svc.waiters.until_final(task_id, principal.task_scope, wait_s)
+        record = await unless_disconnected(request.receive, work) or record
     return record
 
 

@@ -28,6 +28,12 @@ local function iso(ms)
     math.floor(rem / 3600), math.floor(rem % 3600 / 60), rem % 60, (ms % 1000) * 1000)
 end
 
+-- Tell every API process that task `id` changed (status or progress): its waiters
+-- re-read the record (long-polls, Prefer: wait, event streams).
+local function notify(id)
+  redis.call('PUBLISH', K.EVENTS, id)
+end
+
 -- Ring the doorbell of one worker parked on this class. It leaves every idle set, so
 -- a second task does not wake the same worker while another one sits idle.
 local function wake(cls, classes)
@@ -43,13 +49,15 @@ end
 
 -- Write a final status once: the record expires after ttl, the upload goes at once,
 -- and the task stops counting against its tenant's max_in_flight (when it counted:
--- `quota_tenant` is the tenant then, else false).
-local function finalize(id, status, now, ttl, extra, quota_tenant)
+-- `quota_tenant` is the tenant then, else false). `no_file`: the caller read
+-- has_file ~= '1', so there is no upload to delete (one command less per task).
+local function finalize(id, status, now, ttl, extra, quota_tenant, no_file)
   local jk = K.job(id)
   redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, unpack(extra))
   redis.call('EXPIRE', jk, ttl)
-  redis.call('DEL', K.file(id))
+  if not no_file then redis.call('DEL', K.file(id)) end
   if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
+  notify(id)
 end
 
 -- The tenant whose max_in_flight a task counts against, from its 'tenant' and 'quota'
@@ -66,6 +74,7 @@ local function requeue(id, cls, classes, extra, at_head)
     'started_at', '', 'device', '', 'progress', '', unpack(extra))
   redis.call(at_head and 'LPUSH' or 'RPUSH', K.queue(cls), id)
   wake(cls, classes)
+  notify(id)
 end
 
 -- The worker holding task `id` died, or (`fault` given: {code, message}) it hit a GPU

@@ -16,5 +16,6 @@ if f[1] == 'queued' then
   return {'canceled', f[3] or '-', f[6] or '-'}
 end
 redis.call('HSET', jk, 'cancel', '1')
+notify(o.id) -- cancel_requested turned true
 if f[4] and f[4] ~= '' then redis.call('RPUSH', K.control(f[4]), o.id) end
 return {'cancel_requested'}

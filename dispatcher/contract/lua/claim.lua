@@ -44,6 +44,7 @@ local function start(id, c, f, now)
   local ts = iso(now)
   redis.call('HSET', K.job(id), 'status', 'started', 'started_at', ts, 'last_heartbeat', ts,
     'started_ms', now, 'worker_name', w, 'attempts', attempts, 'device', o.device)
+  notify(id)
   local file = false
   if f[6] == '1' then file = redis.call('GET', K.file(id)) end
   return {id, c, f[2], attempts, f[4] or '', f[5] or '', now, file}
