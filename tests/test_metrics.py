@@ -43,11 +43,13 @@ GAUGES = {
     "gpulane_gpu_memory_total_bytes",
     "gpulane_gpu_temperature_celsius",
     "gpulane_gpu_power_watts",
+    "gpulane_model_load_seconds",
 }
 HISTOGRAMS = {
     "gpulane_queue_wait_seconds": ("class",),
     "gpulane_task_run_seconds": ("class", "type"),
     "gpulane_task_latency_seconds": ("class",),
+    "gpulane_batch_size": ("type",),
 }
 GiB = 2**30
 
@@ -95,6 +97,7 @@ def _seed_every_series(r: redis.Redis) -> None:
     recorder.observe("queue_wait", 0.2, "batch")
     recorder.observe("run", 0.3, "batch", "echo")
     recorder.observe("latency", 0.5, "batch")
+    recorder.observe("batch_size", 3, "embed")
     drained = recorder.drain()
     for field, n in drained.counters.items():
         r.hincrby(keys.METRICS, field, n)

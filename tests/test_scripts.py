@@ -32,9 +32,11 @@ def _register(s: SyncScripts, worker: str) -> None:
 
 
 def _claim(s: SyncScripts, worker: str, redeliver: bool = False) -> list | None:
+    """The one task claimed (claim.lua returns a list of tasks: one unless batched)."""
     opts = options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}",
                    redeliver=redeliver)  # fmt: skip
-    return s.run("claim", opts)
+    reply = s.run("claim", opts)
+    return reply[0] if reply else None
 
 
 def _finish(s: SyncScripts, worker: str, task_id: str, result: dict) -> bytes:
