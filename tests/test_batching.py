@@ -111,6 +111,19 @@ def test_cancel_one_item_of_a_running_batch(
     assert calls[-1] == ["0", "2", "3"]  # the others ran again, without it
 
 
+def test_timeout_fails_only_the_items_past_their_own(
+    known_types: None, http: httpx.Client, start_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    log = tmp_path / "calls"
+    short = submit(http, ECHO, {"value": 0, "path": str(log), "seconds": 1.0}, timeout_s=0.3)
+    ids = [short["id"], _echo(http, 1, log, seconds=1.0)]
+    start_worker()
+    records = _finals(http, ids)
+    assert [r["status"] for r in records] == ["failed", "succeeded"]
+    assert records[0]["error"]["code"] == "timeout"
+    assert _lines(log) == [["0", "1"], ["1"]]  # the other item ran again, alone
+
+
 def test_interactive_batches_before_batch_class_items(
     known_types: None, http: httpx.Client, start_worker: WorkerFactory, tmp_path: Path
 ) -> None:

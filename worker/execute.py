@@ -205,11 +205,12 @@ class Runner:
             current = self.current
             runs = self.batch or ([current] if current is not None else [])
             target = next((run for run in runs if run.task_id == task_id), None)
-            if current is None or target is None:
+            if target is None:
                 self._early_cancels.append(task_id)
                 return
         target.request_cancel()
-        self.interrupts.request(TaskCanceled, current)  # a batch's call: it reruns the rest
+        if current is not None:  # a batch between calls has none: its next round sees it
+            self.interrupts.request(TaskCanceled, current)  # a batch's call reruns the rest
 
     def start_batch(self, runs: list[RunningTask]) -> None:
         """Make ``runs`` the running batch; cancels that came early mark their items."""

@@ -3,4 +3,13 @@ and ``run(size, outdir) -> Report``, and starts and stops everything it uses."""
 
 from __future__ import annotations
 
-SCENARIOS = ("overhead", "balancing", "scaling", "api", "memory", "priority", "recovery")
+SCENARIOS = (
+    "overhead",
+    "balancing",
+    "scaling",
+    "api",
+    "memory",
+    "priority",
+    "recovery",
+    "embed",
+)

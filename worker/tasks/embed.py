@@ -56,7 +56,11 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
     model = _loaded["model"]
     tokens = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
     vectors = model.encode(
-        texts, batch_size=len(texts), normalize_embeddings=True, convert_to_numpy=True
+        texts,
+        batch_size=len(texts),
+        normalize_embeddings=True,
+        convert_to_numpy=True,
+        show_progress_bar=False,
     )
     return vectors, tokens
 
