@@ -75,3 +75,23 @@ def known_embed(r: redis.Redis) -> None:
     from testkit import publish_catalog
 
     publish_catalog(r, "worker.tasks.embed")
+
+
+def test_catalog_entry_names_the_model(known_embed: None, redis_url: str) -> None:
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    from dispatcher.api.catalog import Catalog
+
+    async def look() -> tuple[object, object]:
+        client = Redis.from_url(redis_url)
+        try:
+            catalog = Catalog(client)
+            return await catalog.lookup("embed"), await catalog.lookup("echo")
+        finally:
+            await client.aclose()
+
+    embed, echo = asyncio.run(look())
+    assert getattr(embed, "model", None) == MODEL
+    assert echo is not None and getattr(echo, "model", "?") is None
