@@ -46,7 +46,7 @@ fmt: $(VENV)/.dev-deps
 	$(BIN)/ruff check --fix .
 
 $(VENV)/.bench-deps: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/pip install -q -e '.[bench,models]'
 	touch $@
 
 bench: $(VENV)/.run-deps $(VENV)/.bench-deps ## benchmarks (never in `make test`): BENCH_ARGS="--quick overhead"

@@ -36,13 +36,14 @@ class Submitter:
         self.scripts = SyncScripts(client)
         self.settings = Settings(classes={c: UNLIMITED for c in classes}, default_class=classes[-1])
 
-    def _opts(self, task_type: str, cls: str) -> str:
+    def options(self, task_type: str, cls: str) -> str:
+        """``submit.lua``'s options for a task of ``task_type`` in ``cls``."""
         sub = Submission(task_type, cls, {}, timeout_s=600.0, tenant="default")
         return submit_options(sub, UNLIMITED, self.workers, 1.0, self.settings)
 
     def submit(self, task_type: str, args: dict[str, Any], cls: str) -> str:
         reply = self.scripts.run(
-            "submit", self._opts(task_type, cls), encode_call(task_type, args), b""
+            "submit", self.options(task_type, cls), encode_call(task_type, args), b""
         )
         if reply[0] != b"accepted":
             raise RuntimeError(f"submit refused: {reply!r}")
@@ -56,7 +57,7 @@ class Submitter:
         for start in range(0, n, 500):
             pipe = self.client.pipeline(transaction=False)
             for _ in range(min(500, n - start)):
-                script(keys=[], args=[self._opts(task_type, cls), data, b""], client=pipe)
+                script(keys=[], args=[self.options(task_type, cls), data, b""], client=pipe)
             ids += [reply[1].decode() for reply in pipe.execute()]
         return ids
 

@@ -47,11 +47,13 @@ GAUGES = {
     "gpulane_redis_up",
     "gpulane_redis_memory_used_bytes",
     "gpulane_redis_maxmemory_bytes",
+    "gpulane_model_load_seconds",
 }
 HISTOGRAMS = {
     "gpulane_queue_wait_seconds": ("class",),
     "gpulane_task_run_seconds": ("class", "type"),
     "gpulane_task_latency_seconds": ("class",),
+    "gpulane_batch_size": ("type",),
 }
 GiB = 2**30
 
@@ -99,6 +101,7 @@ def _seed_every_series(r: redis.Redis) -> None:
     recorder.observe("queue_wait", 0.2, "batch")
     recorder.observe("run", 0.3, "batch", "echo")
     recorder.observe("latency", 0.5, "batch")
+    recorder.observe("batch_size", 3, "embed")
     drained = recorder.drain()
     for field, n in drained.counters.items():
         r.hincrby(keys.METRICS, field, n)

@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from worker.entry import run
-from worker.registry import Registry, TaskFailure
+from worker.registry import Batch, Registry, TaskFailure
 
 
 class Args(BaseModel):
@@ -68,3 +68,23 @@ def test_duplicate_and_non_model_argument() -> None:
 
     with pytest.raises(TypeError, match="pydantic model"):
         reg.task("b")(handler)
+
+
+def test_batched_model_task_declaration() -> None:
+    reg = Registry()
+    loads: list[str] = []
+
+    @reg.task("emb.one", model="org/model", load=loads.append, batch=Batch(8, 2))
+    def one(batch: list[Args], ctxs: list[Any]) -> list[int]:
+        return [a.n for a in batch]
+
+    reg.task("emb.two", model="org/model", load=loads.append, batch=Batch(8, 2))(one)
+    entry = reg.catalog()["emb.one"]
+    assert entry["model"] == "org/model"
+    assert entry["schema"]["properties"]["n"]["type"] == "integer"  # the item's model
+    assert "model" not in Registry().catalog()  # plain types publish none
+    assert list(reg.loaders()) == ["org/model"]  # one loader, run once
+    with pytest.raises(TypeError, match="list"):
+        reg.task("emb.bad", batch=Batch())(lambda args, ctx: args)
+    with pytest.raises(ValueError, match="max_size"):
+        Batch(max_size=0)

@@ -18,10 +18,10 @@ SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_
 CLASSES = SETTINGS.class_names
 
 
-def _submit(s: SyncScripts, cls: str = "batch") -> str:
-    sub = Submission("echo", cls, {}, timeout_s=60, tenant="t")
+def _submit(s: SyncScripts, cls: str = "batch", task_type: str = "echo") -> str:
+    sub = Submission(task_type, cls, {}, timeout_s=60, tenant="t")
     opts = submit_options(sub, SETTINGS.classes[cls], workers=1, run_s=1.0, settings=SETTINGS)
-    reply = s.run("submit", opts, encode_call("echo", {}), "")
+    reply = s.run("submit", opts, encode_call(task_type, {}), "")
     assert reply[0] == b"accepted"
     return str(reply[1].decode())
 
@@ -35,9 +35,11 @@ def _register(s: SyncScripts, worker: str) -> None:
 
 
 def _claim(s: SyncScripts, worker: str, redeliver: bool = False) -> list | None:
+    """The one task claimed (claim.lua returns a list of tasks: one unless batched)."""
     opts = options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}",
                    redeliver=redeliver)  # fmt: skip
-    return s.run("claim", opts)
+    reply = s.run("claim", opts)
+    return reply[0] if reply else None
 
 
 def _finish(s: SyncScripts, worker: str, task_id: str, result: dict) -> bytes:
@@ -202,3 +204,38 @@ def test_a_dead_workers_task_is_published_when_given_back(r: redis.Redis) -> Non
     message = events.get_message(timeout=5)
     assert message is not None and message["data"].decode() == task_id
     events.close()
+
+
+def _claim_batch(s: SyncScripts, batch: dict[str, int], **more: object) -> list:
+    opts = options(worker="w", classes=CLASSES, aging={}, was_idle=False, device="{}",
+                   redeliver=False, batch=batch, **({"more": more} if more else {}))  # fmt: skip
+    reply: list = s.run("claim", opts)
+    return reply
+
+
+def test_a_batch_is_the_head_run_of_its_type_and_goes_back_whole(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    ids = [_submit(s, task_type="emb") for _ in range(3)]
+    other, last = _submit(s), _submit(s, task_type="emb")
+    _register(s, "w")
+    assert [t[0].decode() for t in _claim_batch(s, {"emb": 8})] == ids
+    assert r.lrange(keys.inflight("w", "batch"), 0, -1) == [i.encode() for i in ids]
+    assert {r.hget(keys.job(i), "status") for i in ids} == {b"started"}
+    # Waiting for more stops at once: another type heads the queue.
+    assert _claim_batch(s, {}, **{"class": "batch", "type": "emb", "n": 5}) == [1]
+    # A dead worker's batch goes back to the head, in its order.
+    s.run("unregister", options(**lease_options(SETTINGS), worker="w"))
+    assert r.lrange(keys.queue("batch"), 0, -1) == [i.encode() for i in [*ids, other, last]]
+
+
+def test_no_batch_grows_while_a_higher_class_waits(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    first, second = _submit(s, task_type="emb"), _submit(s, task_type="emb")
+    _register(s, "w")
+    assert [t[0].decode() for t in _claim_batch(s, {"emb": 1})] == [first]
+    urgent = _submit(s, "interactive")
+    more = {"class": "batch", "type": "emb", "n": 4}
+    assert _claim_batch(s, {}, **more) == [1]  # stop waiting, take nothing
+    r.lrem(keys.queue("interactive"), 0, urgent)
+    reply = _claim_batch(s, {}, **more)
+    assert reply[0] == 0 and [t[0].decode() for t in reply[1:]] == [second]

@@ -47,6 +47,10 @@ max_wait_s = 3
 reject_without_workers = true
 [classes.batch]
 max_queued = 100
+[types.embed]
+batch_max_size = 16
+[types."test.batch_echo"]
+batch_max_wait_ms = 0
 [[tenants]]
 name = "acme"
 key_sha256 = "{DIGEST}"
@@ -61,6 +65,9 @@ classes = ["batch"]
     assert settings.class_names == ["interactive", "batch"]
     assert settings.classes["interactive"].max_wait_s == 3
     assert settings.tenants[0].name == "acme" and settings.tenants[0].key_sha256 == [DIGEST]
+    assert settings.types["embed"].batch_max_size == 16
+    assert settings.types["embed"].batch_max_wait_ms is None  # the type's own
+    assert settings.types["test.batch_echo"].batch_max_wait_ms == 0
     monkeypatch.setenv("GPULANE_MAX_FILE_BYTES", "8192")  # environment beats the file
     assert load_settings().max_file_bytes == 8192
 
@@ -91,6 +98,8 @@ classes = ["batch"]
         ),
         ("[classes.batch]\nmax_queued = 0", "classes.batch.max_queued"),
         ("max_body_bytes = -1", "max_body_bytes"),
+        ("[types.embed]\nbatch_size = 3", "batch_size"),
+        ("[types.embed]\nbatch_max_size = 0", "batch_max_size"),
     ],
 )
 def test_bad_file_is_an_error(

@@ -133,3 +133,11 @@ def test_worker_logs_one_json_line_per_transition(
     assert line["ts"].endswith("+00:00") and line["logger"] == "gpulane.worker"
     started = [e for e in json_lines(worker.log) if e.get("message") == "task started"]
     assert [e["task"] for e in started] == [task["id"]]
+
+
+def test_a_batch_shows_as_its_first_task_and_the_rest() -> None:
+    from dispatcher.ops.status import _current
+
+    assert _current({"current_task": "a", "current_batch": ["a", "b", "c"]}) == "a (+2 in batch)"
+    assert _current({"current_task": "a", "current_batch": ["a"]}) == "a"
+    assert _current({"current_task": None, "current_batch": []}) == "-"

@@ -6,6 +6,7 @@ Task authors need only this::
 """
 
 from worker.registry import (
+    Batch,
     TaskCanceled,
     TaskContext,
     TaskFailure,
@@ -14,4 +15,12 @@ from worker.registry import (
     task,
 )
 
-__all__ = ["TaskCanceled", "TaskContext", "TaskFailure", "TaskTimeout", "UploadedFile", "task"]
+__all__ = [
+    "Batch",
+    "TaskCanceled",
+    "TaskContext",
+    "TaskFailure",
+    "TaskTimeout",
+    "UploadedFile",
+    "task",
+]

@@ -84,9 +84,17 @@ class Broker:
             return None
         return parse_reaped(reply[1])
 
-    def claim(self, was_idle: bool, device_json: str, redeliver: bool = False) -> Claimed | None:
-        """The next task, moved into this worker's in-flight list; ``redeliver`` after a
-        claim whose reply was lost returns the task that claim took."""
+    def claim(
+        self,
+        was_idle: bool,
+        device_json: str,
+        redeliver: bool = False,
+        batch: dict[str, int] | None = None,
+    ) -> list[Claimed]:
+        """The next task (or, for a type in ``batch`` {type: max size}, the next batch),
+        moved into this worker's in-flight list; empty when there is none (the worker
+        is parked). ``redeliver`` after a claim whose reply was lost returns what that
+        claim took."""
         opts = options(
             worker=self.name,
             classes=self.classes,
@@ -94,10 +102,30 @@ class Broker:
             was_idle=was_idle,
             device=device_json,
             redeliver=redeliver,
+            batch=batch or {},
         )
         reply = self._scripts.run("claim", opts)
-        if reply is None:
-            return None
+        return [self._claimed(task) for task in reply or []]
+
+    def claim_more(
+        self, cls: str, task_type: str, n: int, device_json: str
+    ) -> tuple[bool, list[Claimed]]:
+        """Up to ``n`` more queued tasks of ``task_type`` from the head of ``cls`` for a
+        short batch. Returns (stop waiting: a higher class has work or another type
+        heads the queue, the tasks taken)."""
+        opts = options(
+            worker=self.name,
+            classes=self.classes,
+            aging=self._aging,
+            was_idle=False,
+            device=device_json,
+            redeliver=False,
+            more={"class": cls, "type": task_type, "n": n},
+        )
+        reply = self._scripts.run("claim", opts)
+        return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]
+
+    def _claimed(self, reply: list[Any]) -> Claimed:
         task_id, cls, data, attempt, timeout, created, started, file = reply
         return Claimed(
             task_id=_text(task_id),

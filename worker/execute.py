@@ -42,6 +42,7 @@ __all__ = [
     "Runner",
     "RunningTask",
     "TaskHandback",
+    "canceled",
 ]
 
 log = logging.getLogger("gpulane.worker")
@@ -75,7 +76,7 @@ class Outcome:
         return Outcome("lost", error={"code": "gpu_fault", "message": message})
 
 
-def _canceled() -> Outcome:
+def canceled() -> Outcome:
     return Outcome("canceled", error={"code": "canceled", "message": "Canceled while running."})
 
 
@@ -191,6 +192,7 @@ class Runner:
         self.worker = worker
         self.max_result_bytes = max_result_bytes
         self.current: RunningTask | None = None
+        self.batch: list[RunningTask] = []  # the items of the batch running, if any
         # Cancels that came before their run started (between claim and here); bounded:
         # an id whose task already ended elsewhere would otherwise stay forever.
         self._early_cancels: deque[str] = deque(maxlen=64)
@@ -201,11 +203,27 @@ class Runner:
         started yet, as soon as it does."""
         with self._lock:
             current = self.current
-            if current is None or current.task_id != task_id:
+            runs = self.batch or ([current] if current is not None else [])
+            target = next((run for run in runs if run.task_id == task_id), None)
+            if target is None:
                 self._early_cancels.append(task_id)
                 return
-        current.request_cancel()
-        self.interrupts.request(TaskCanceled, current)
+        target.request_cancel()
+        if current is not None:  # a batch between calls has none: its next round sees it
+            self.interrupts.request(TaskCanceled, current)  # a batch's call reruns the rest
+
+    def start_batch(self, runs: list[RunningTask]) -> None:
+        """Make ``runs`` the running batch; cancels that came early mark their items."""
+        with self._lock:
+            self.batch = runs
+            for run in runs:
+                if run.task_id in self._early_cancels:
+                    run.request_cancel()
+
+    def end_batch(self) -> None:
+        with self._lock:
+            self.batch = []
+            self.current = None
 
     def _start(self, ctx: RunningTask) -> bool:
         """Make ``ctx`` the current run; False if it was canceled before it began."""
@@ -232,30 +250,30 @@ class Runner:
         ctx = RunningTask(claimed, call.task_type, upload, self.device, self.sink, self.worker)
         if not self._start(ctx):
             self.current = None
-            return _canceled(), ctx
+            return canceled(), ctx
         try:
             with self.interrupts.armed(claimed.timeout_s, ctx):
                 value = entry.run(call.task_type, call.args, ctx=ctx, registry=self.registry)
             if ctx.cancelled():  # the handler saw cancelled() and stopped early
-                return _canceled(), ctx
-            return self._encode(value), ctx
+                return canceled(), ctx
+            return self.encode(value), ctx
         except TaskInterrupt as exc:
-            return self._interrupted(exc, claimed), ctx
+            return self.interrupted(exc, claimed), ctx
         except Exception as exc:  # noqa: BLE001 - any handler error becomes its outcome
-            return self._failed(exc, claimed, ctx), ctx
+            return self.failed(exc, claimed, ctx), ctx
         finally:
             self.current = None
 
-    def _interrupted(self, exc: TaskInterrupt, claimed: Claimed) -> Outcome:
+    def interrupted(self, exc: TaskInterrupt, claimed: Claimed) -> Outcome:
         if isinstance(exc, TaskTimeout):
             return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s.")
         if isinstance(exc, TaskHandback):
             return Outcome("release")
         if isinstance(exc, GpuFault):
             return Outcome.lost(self.interrupts.reason or "Its GPU stopped answering.")
-        return _canceled()
+        return canceled()
 
-    def _failed(self, exc: Exception, claimed: Claimed, ctx: RunningTask) -> Outcome:
+    def failed(self, exc: Exception, claimed: Claimed, ctx: RunningTask) -> Outcome:
         gpu = self._gpu_outcome(exc, ctx)  # also a CUDA error wrapped in a TaskFailure
         if gpu is not None:
             return gpu
@@ -263,7 +281,7 @@ class Runner:
             return Outcome.fail(exc.code, exc.message)
         ctx.log.exception("task raised")
         if ctx.cancelled():  # a retry would run a task its client canceled
-            return _canceled()
+            return canceled()
         spec = self.registry.get(ctx.task_type)
         if spec is not None and claimed.attempt <= spec.retries:
             return Outcome("retry")
@@ -282,7 +300,7 @@ class Runner:
         ctx.log.error("fatal GPU error; the CUDA context is unusable: %s", message, exc_info=exc)
         return Outcome.lost(f"Fatal GPU error: {message}")
 
-    def _encode(self, value: Any) -> Outcome:
+    def encode(self, value: Any) -> Outcome:
         try:
             text = json.dumps(value, allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:

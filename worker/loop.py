@@ -18,6 +18,7 @@ from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
+from worker.batching import BatchRunner, batch_policies, task_type_of
 from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner, RunningTask
 from worker.handback import hand_back
@@ -47,23 +48,28 @@ class WorkerLoop:
         self.recorder = recorder
         self.settings = settings
         self._backoff = Backoff()
+        self.batches = batch_policies(runner.registry, settings)
+        self._batch_sizes = {t: b.max_size for t, b in self.batches.items() if b.max_size > 1}
+        self._batch_runner = BatchRunner(runner)
+        self._redeliver = False  # a claim's reply was lost: ask for what it took
+        self._device = json.dumps(self.runner.device)  # recorded on each task it starts
 
     def run(self) -> None:
         was_idle = True  # a fresh worker may sit in idle sets from an earlier life
-        redeliver = False
-        device = json.dumps(self.runner.device)  # recorded on each task it starts
         while not self.state.stopping:
             try:
-                claimed = self.broker.claim(was_idle, device, redeliver)
+                claims = self.broker.claim(
+                    was_idle, self._device, self._redeliver, self._batch_sizes
+                )
             except ResponseError:
                 raise  # a script error, not an outage: retrying would loop forever
             except RedisError as exc:
-                redeliver = True  # the claim may have run and only its reply was lost
+                self._redeliver = True  # the claim may have run and only its reply was lost
                 self._wait_out(exc)
                 continue
-            redeliver = False
+            self._redeliver = False
             self._backoff.reset()
-            if claimed is None:
+            if not claims:
                 was_idle = True
                 self.state.set("idle")
                 self._park()
@@ -71,8 +77,48 @@ class WorkerLoop:
             was_idle = False
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
-            self._execute(claimed)
+            task_type = task_type_of(claims[0])
+            if task_type in self.batches:
+                self._execute_batch(claims, task_type)
+            else:
+                self._execute(claims[0])
         self._unpark()
+
+    def _fill(self, claims: list[Claimed], task_type: str) -> list[Claimed]:
+        """A short batch waits up to its max_wait_ms for more tasks of its type, and not
+        at all while a higher class has work (claim.lua says when to stop)."""
+        policy = self.batches[task_type]
+        deadline = time.monotonic() + policy.max_wait_ms / 1000
+        poll_s = max(policy.max_wait_ms / 5000, 0.0005)
+        while len(claims) < policy.max_size and time.monotonic() < deadline:
+            try:
+                stop, more = self.broker.claim_more(
+                    claims[0].cls, task_type, policy.max_size - len(claims), self._device
+                )
+            except RedisError:
+                self._redeliver = True  # what it took (if anything) comes with the next claim
+                break
+            claims = claims + more
+            if stop or self.state.stopping:
+                break
+            time.sleep(max(min(poll_s, deadline - time.monotonic()), 0))
+        return claims
+
+    def _execute_batch(self, claims: list[Claimed], task_type: str) -> None:
+        if len(claims) < self.batches[task_type].max_size:
+            claims = self._fill(claims, task_type)
+        self.state.set("busy")
+        log.info(
+            "batch of %d started",
+            len(claims),
+            extra={"worker": self.broker.name, "class": claims[0].cls, "type": task_type},
+        )
+        self.recorder.observe("batch_size", len(claims), task_type)
+        items = self._batch_runner.run(claims)
+        # Reversed: tasks handed back at the head of their queue keep their order.
+        for item in reversed(items):
+            assert item.outcome is not None
+            self._conclude(item.claimed, item.outcome, item.ctx)
 
     def _unpark(self) -> None:
         try:
@@ -101,6 +147,11 @@ class WorkerLoop:
         extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
         log.info("task started", extra={**extra, "attempt": claimed.attempt})
         outcome, ctx = self.runner.run(claimed)
+        self._conclude(claimed, outcome, ctx)
+
+    def _conclude(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> None:
+        """Report one task's outcome, log and count it."""
+        extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
         task_type = ctx.task_type if ctx else "-"
         if (
             outcome.status == "lost"

@@ -7,7 +7,9 @@ Order matters:
    the heartbeat, and claim a GPU through Redis, waiting visibly while all are claimed;
 3. pin ``CUDA_VISIBLE_DEVICES`` to the claimed card's UUID, and only then import the
    task modules, so whatever CUDA code they load sees only that card;
-4. register again with the task catalog, and serve.
+4. if a task type has a model loader: register as ``starting`` ("loading model") with
+   the catalog, load each model once on the device (``cuda`` or ``cpu``), timed;
+5. register again, now ``idle``, and serve.
 """
 
 from __future__ import annotations
@@ -117,10 +119,42 @@ class _Worker:
         self.state.set("starting")
         return None
 
+    def load_models(self) -> bool:
+        """Run every model loader once, on this worker's device; the worker stays
+        ``starting`` ("loading model") meanwhile. False if stopped or a load failed."""
+        loaders = REGISTRY.loaders()
+        if not loaders:
+            return True
+        self.state.set("starting", "loading model")
+        if not _register(self.broker, self.state, self.settings, self.recorder):
+            return False
+        device = self.state.device
+        target = "cuda" if device is not None and device.kind == "gpu" else "cpu"
+        for model, load in loaders.items():
+            started = time.monotonic()
+            try:
+                load(target)
+            except Exception as exc:  # a model that fails to load: unhealthy, restarted
+                log.exception("loading model %s failed", model, extra={"worker": self.state.name})
+                self.state.mark_unhealthy(f"loading model {model} failed: {exc}")
+                return False
+            seconds = round(time.monotonic() - started, 3)
+            self.state.models[model] = {"load_s": seconds, "device": target}
+            log.info(
+                "model %s loaded on %s in %.2f s",
+                model,
+                target,
+                seconds,
+                extra={"worker": self.state.name, "elapsed_s": seconds},
+            )
+        return not self.state.stopping
+
     def serve(self, tasks: list[str]) -> int:
         load_task_modules(tasks)
         self.state.task_types = REGISTRY.names()
         self.runner.device = self.state.device_json() or {}
+        if not self.load_models():
+            return 0
         # Ready from this registration on: published as idle now, not a heartbeat later,
         # so admission counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")

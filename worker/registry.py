@@ -14,6 +14,19 @@ A task is a plain function taking its validated arguments (a pydantic model) and
 Workers publish each type's JSON Schema, so the API refuses bad arguments before they
 are queued; the worker validates again with the model (the authority). Only types
 registered here run; a job naming anything else is refused (invariant 3).
+
+Model tasks add two things (``worker/tasks/embed.py`` is the example)::
+
+    @task("embed", model="sentence-transformers/all-MiniLM-L6-v2", load=load_model,
+          batch=Batch(max_size=64, max_wait_ms=5))
+    def embed(batch: list[EmbedArgs], ctxs: list[TaskContext]) -> list[Any]: ...
+
+- ``load``: called once per process with the device (``"cuda"`` or ``"cpu"``) after the
+  worker is pinned and before it takes a task; the worker is ``starting`` ("loading
+  model") until every load returned. ``model`` is published in the catalog entry.
+- ``batch``: the handler takes a list of validated args and one context per item and
+  returns one result per item, in order; an item may be a :class:`TaskFailure` (that
+  item alone fails).
 """
 
 from __future__ import annotations
@@ -24,12 +37,14 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_type_hints
+from typing import Any, Literal, Protocol, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "REGISTRY",
+    "Batch",
+    "ModelLoader",
     "Registry",
     "TaskCanceled",
     "TaskContext",
@@ -100,7 +115,23 @@ class _NoArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-Handler = Callable[[Any, TaskContext], Any]
+Handler = Callable[[Any, Any], Any]
+ModelLoader = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Dynamic batching policy of a type: up to ``max_size`` queued tasks per handler
+    call, waiting at most ``max_wait_ms`` for more when fewer are queued."""
+
+    max_size: int = 32
+    max_wait_ms: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_size <= 1024:
+            raise ValueError("Batch.max_size must be 1..1024")
+        if not 0 <= self.max_wait_ms <= 10_000:
+            raise ValueError("Batch.max_wait_ms must be 0..10000")
 
 
 @dataclass(frozen=True)
@@ -111,21 +142,32 @@ class TaskSpec:
     description: str
     file: FileUse
     retries: int
+    batch: Batch | None = None
+    model: str | None = None
+    load: ModelLoader | None = None
 
     def catalog_entry(self) -> dict[str, Any]:
         """What the API needs to validate a submission, without importing the task."""
-        return {
+        entry: dict[str, Any] = {
             "schema": self.args_model.model_json_schema(),
             "description": self.description,
             "file": self.file,
         }
+        if self.model is not None:
+            entry["model"] = self.model
+        return entry
 
 
-def _args_model(handler: Handler) -> type[BaseModel]:
+def _args_model(handler: Handler, batched: bool) -> type[BaseModel]:
     params = list(inspect.signature(handler).parameters)
     if not params:
         raise TypeError(f"task handler {handler.__qualname__} must take (args, ctx)")
     hint = get_type_hints(handler).get(params[0])
+    if batched:  # list[Args]
+        inner = get_args(hint)
+        if get_origin(hint) is not list or len(inner) != 1:
+            raise TypeError(f"batched handler {handler.__qualname__} must take list[Args] first")
+        hint = inner[0]
     if hint is None or hint is BaseModel:
         return _NoArgs
     if not (inspect.isclass(hint) and issubclass(hint, BaseModel)):
@@ -140,12 +182,22 @@ class Registry:
         self._specs: dict[str, TaskSpec] = {}
 
     def task(
-        self, name: str, *, file: FileUse = "none", retries: int = 0, description: str = ""
+        self,
+        name: str,
+        *,
+        file: FileUse = "none",
+        retries: int = 0,
+        description: str = "",
+        batch: Batch | None = None,
+        model: str | None = None,
+        load: ModelLoader | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register the decorated function as task type ``name``.
 
         ``file``: whether the task takes an uploaded document; ``retries``: how many
-        times a handler exception runs it again (default none: the task fails).
+        times a handler exception runs it again (default none: the task fails);
+        ``batch``: a batched handler (module docstring); ``model``: the model id it
+        serves (published in the catalog); ``load``: loads it once per process.
         """
         if not _NAME.match(name) or len(name) > 64:
             raise ValueError(f"task name {name!r} must be dotted lowercase words")
@@ -154,7 +206,10 @@ class Registry:
             if name in self._specs and self._specs[name].handler is not handler:
                 raise ValueError(f"task type {name!r} is registered twice")
             doc = description or inspect.cleandoc(handler.__doc__ or "").split("\n")[0]
-            spec = TaskSpec(name, handler, _args_model(handler), doc, file, retries)
+            if batch is not None and file != "none":
+                raise ValueError(f"batched task type {name!r} cannot take files")
+            args_model = _args_model(handler, batch is not None)
+            spec = TaskSpec(name, handler, args_model, doc, file, retries, batch, model, load)
             spec.catalog_entry()  # a model without a JSON Schema fails here, not at start
             self._specs[name] = spec
             return handler
@@ -169,6 +224,15 @@ class Registry:
 
     def catalog(self) -> dict[str, dict[str, Any]]:
         return {name: spec.catalog_entry() for name, spec in self._specs.items()}
+
+    def loaders(self) -> dict[str, ModelLoader]:
+        """Model loaders to run at start, by model id (the type's name if it has none);
+        one loader shared by several types runs once."""
+        out: dict[str, ModelLoader] = {}
+        for spec in self._specs.values():
+            if spec.load is not None and spec.load not in out.values():
+                out[spec.model or spec.name] = spec.load
+        return out
 
 
 REGISTRY = Registry()

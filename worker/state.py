@@ -5,7 +5,7 @@ States: ``starting`` (registered, loading), ``waiting_for_gpu`` (every GPU it ma
 is claimed; it serves nothing yet), ``idle``, ``busy``, ``stopping`` (finishing its
 task after SIGTERM) and ``unhealthy`` (its GPU faulted or stopped answering: it takes
 no more tasks and exits to be restarted). ``reason`` says why for ``waiting_for_gpu``
-and ``unhealthy``.
+and ``unhealthy``, and ``starting`` says "loading model" while task modules' models load.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class WorkerState:
         self.tasks_done = 0
         self.tasks_failed = 0
         self.device_sample: dict[str, Any] = {}
+        self.models: dict[str, dict[str, Any]] = {}  # model id -> {"load_s", "device"}
         self.stop_requested_at: float | None = None  # monotonic
         self.unhealthy_at: float | None = None  # monotonic
         self.recycled = False  # stopping because its memory grew past max_worker_rss_mb
@@ -114,4 +115,5 @@ class WorkerState:
             "tasks_done": str(self.tasks_done),
             "tasks_failed": str(self.tasks_failed),
             "started_ms": str(self.started_ms),
+            "models": json.dumps(self.models),
         }

@@ -13,4 +13,5 @@ SCENARIOS = (
     "priority",
     "recovery",
     "latency",
+    "embed",
 )

@@ -43,6 +43,7 @@ class TaskTypeInfo:
     description: str
     file: str  # none | optional | required
     validator: Draft202012Validator
+    model: str | None = None  # the model id the type serves, when it names one
 
     def errors(self, args: dict[str, Any]) -> list[str]:
         """Readable messages for ``args`` that fail the type's schema (empty: valid)."""
@@ -71,6 +72,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         description=str(entry.get("description", "")),
         file=str(entry.get("file", "none")),
         validator=Draft202012Validator(schema),
+        model=str(entry["model"]) if entry.get("model") else None,
     )
 
 

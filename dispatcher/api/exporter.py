@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 
 from dispatcher.api.pool import Snapshot
 from dispatcher.contract import keys
-from dispatcher.contract.metrics import BUCKETS, COUNTERS, HISTOGRAMS, le_text
+from dispatcher.contract.metrics import BUCKETS, COUNTERS, HISTOGRAMS, buckets_of, le_text
 from dispatcher.contract.workers import WORKER_STATES
 
 __all__ = [
@@ -59,6 +59,7 @@ _HELP = {
     "queue_wait": "Seconds from submit to start, per started task.",
     "run": "Seconds a task ran on its worker.",
     "latency": "Seconds from submit to a final status.",
+    "batch_size": "Tasks per handler call of a batched type.",
 }
 
 
@@ -68,6 +69,7 @@ class Histogram:
 
     buckets: dict[float, float] = field(default_factory=dict)  # upper bound -> count
     sum: float = 0.0
+    standard: tuple[float, ...] = BUCKETS  # the bounds always exported
 
     @property
     def count(self) -> float:
@@ -76,7 +78,7 @@ class Histogram:
     def cumulative(self) -> list[tuple[float, float]]:
         """(upper bound, observations at or below it) for every standard bound, plus any
         other bound found in Redis (written by a version with other buckets)."""
-        bounds = sorted(set(BUCKETS) | set(self.buckets))
+        bounds = sorted(set(self.standard) | set(self.buckets))
         out, running = [], 0.0
         for bound in bounds:
             running += self.buckets.get(bound, 0.0)
@@ -89,6 +91,7 @@ class Histogram:
         return Histogram(
             {b: self.buckets.get(b, 0.0) - earlier.buckets.get(b, 0.0) for b in bounds},
             self.sum - earlier.sum,
+            self.standard,
         )
 
 
@@ -121,11 +124,14 @@ def parse(raw: Mapping[bytes | str, bytes | str]) -> Recorded:
                 series = out.counters[name]
                 series[parts] = series.get(parts, 0.0) + value
             elif kind == "h" and name in HISTOGRAMS and len(parts) == len(HISTOGRAMS[name][1]) + 1:
-                hist = out.histograms[name].setdefault(parts[:-1], Histogram())
+                hist = out.histograms[name].setdefault(
+                    parts[:-1], Histogram(standard=buckets_of(name))
+                )
                 bound = float(parts[-1])  # "+Inf" parses to inf
                 hist.buckets[bound] = hist.buckets.get(bound, 0.0) + value
             elif kind == "s" and name in HISTOGRAMS and len(parts) == len(HISTOGRAMS[name][1]):
-                out.histograms[name].setdefault(parts, Histogram()).sum += value
+                hist = out.histograms[name].setdefault(parts, Histogram(standard=buckets_of(name)))
+                hist.sum += value
         except ValueError:
             continue  # not a number: nothing gpulane wrote
     return out
@@ -143,7 +149,8 @@ def _recorded_families(recorded: Recorded) -> Iterator[Metric]:
             counter.add_metric(values, total)
         yield counter
     for short, (name, labels) in HISTOGRAMS.items():
-        histogram = HistogramMetricFamily(name, _HELP[short], labels=labels, unit="seconds")
+        unit = "seconds" if name.endswith("_seconds") else ""
+        histogram = HistogramMetricFamily(name, _HELP[short], labels=labels, unit=unit)
         for values, hist in sorted(recorded.histograms.get(short, {}).items()):
             buckets = [(le_text(bound), n) for bound, n in hist.cumulative()]
             histogram.add_metric(values, buckets, hist.sum)
@@ -215,6 +222,22 @@ def _pool_gauges(snap: Snapshot) -> Iterator[Metric]:
         workers.add_metric((state,), n)
     yield workers
     yield from _device_gauges(snap.workers)
+    yield _model_gauge(snap.workers)
+
+
+def _model_gauge(workers: Sequence[Mapping[str, Any]]) -> Metric:
+    """Seconds each live worker took to load each model it serves (its ``models``)."""
+    load = GaugeMetricFamily(
+        "gpulane_model_load_seconds",
+        "Seconds a worker took to load a model at start.",
+        labels=("worker", "model"),
+    )
+    for worker in workers:
+        for model, info in sorted((worker.get("models") or {}).items()):
+            seconds = info.get("load_s") if isinstance(info, dict) else None
+            if isinstance(seconds, int | float) and math.isfinite(seconds):
+                load.add_metric((str(worker["name"]), str(model)), float(seconds))
+    return load
 
 
 def redis_families(memory: Mapping[str, Any] | None) -> list[Metric]:

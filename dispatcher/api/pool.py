@@ -64,7 +64,7 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
 
 
 def _worker_view(
-    name: str, info: dict[str, str], current: tuple[str, str] | None
+    name: str, info: dict[str, str], current: tuple[str, str] | None, batch: list[str]
 ) -> dict[str, Any]:
     # The in-flight list is the truth about busy/idle; the published state lags a beat.
     state = info.get("state", "starting")
@@ -81,11 +81,13 @@ def _worker_view(
         "task_types": json.loads(info.get("task_types", "[]")),
         "current_task": current[0] if current else None,
         "current_class": current[1] if current else None,
+        "current_batch": batch,
         "tasks_done": int(info.get("tasks_done", 0)),
         "tasks_failed": int(info.get("tasks_failed", 0)),
         "last_heartbeat": iso_ms(int(heartbeat)) if heartbeat else None,
         "device": json.loads(info.get("device", "null")),
         "reason": info.get("reason") or None,
+        "models": json.loads(info.get("models", "{}")),
     }
 
 
@@ -103,11 +105,13 @@ class _Tally:
         if not info:  # reaped between the two reads
             return
         current = None
-        for cls, task in zip(self.names, inflight, strict=True):
-            if task:
-                current = (task.decode(), cls)
-                self.running[cls] += 1
-        view = _worker_view(name, info, current)
+        batch: list[str] = []
+        for cls, tasks in zip(self.names, inflight, strict=True):
+            if tasks:  # one task, or the tasks of one batch
+                batch = [t.decode() for t in tasks]
+                current = (batch[0], cls)
+                self.running[cls] += len(tasks)
+        view = _worker_view(name, info, current, batch)
         self.workers.append(view)
         if view["state"] in NOT_SERVING:
             return
@@ -130,7 +134,7 @@ class Pool:
         for name in live:
             pipe.hgetall(keys.worker(name))
             for cls in names:
-                pipe.lindex(keys.inflight(name, cls), 0)
+                pipe.lrange(keys.inflight(name, cls), 0, -1)
         for _, head, _ in per_class:
             if head:
                 pipe.hget(keys.job(head.decode()), "created_ms")

@@ -29,8 +29,9 @@ gpulane's keys::
                                             as published by the workers serving it
     gpulane:workers                  ZSET   worker name -> lease deadline (ms, Redis clock)
     gpulane:worker:<name>            HASH   what a worker is and does (GET /workers)
-    gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id); tasks
-                                            move here from rq:queue:<class> atomically
+    gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id, or a
+                                            batch's ids); tasks move here from
+                                            rq:queue:<class> atomically
     gpulane:idle:<class>             SET    workers parked waiting for that class
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel

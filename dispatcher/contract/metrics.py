@@ -19,7 +19,16 @@ import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "Drained", "Recorder", "le_text"]
+__all__ = [
+    "BUCKETS",
+    "COUNTERS",
+    "HISTOGRAMS",
+    "SIZE_BUCKETS",
+    "Drained",
+    "Recorder",
+    "buckets_of",
+    "le_text",
+]
 
 # Seconds; GPU work spans milliseconds (a cached inference) to an hour (a long batch).
 BUCKETS = (
@@ -46,12 +55,14 @@ BUCKETS = (
 )
 
 
+# Tasks per handler call (gpulane_batch_size).
+SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, float("inf"))
+
+
 def le_text(bound: float) -> str:
     """Prometheus' spelling of a bucket bound (the ``le`` label and the hash fields)."""
     return "+Inf" if bound == float("inf") else repr(bound)
 
-
-_LE = tuple(le_text(b) for b in BUCKETS)
 
 # Prometheus name -> label names; the short key is what the hash fields use.
 COUNTERS = {
@@ -64,7 +75,18 @@ HISTOGRAMS = {
     "queue_wait": ("gpulane_queue_wait_seconds", ("class",)),
     "run": ("gpulane_task_run_seconds", ("class", "type")),
     "latency": ("gpulane_task_latency_seconds", ("class",)),
+    "batch_size": ("gpulane_batch_size", ("type",)),
 }
+# Histograms not measured in seconds, with their buckets.
+_OTHER_BUCKETS = {"batch_size": SIZE_BUCKETS}
+
+
+def buckets_of(name: str) -> tuple[float, ...]:
+    """The bucket bounds of histogram ``name`` (short name)."""
+    return _OTHER_BUCKETS.get(name, BUCKETS)
+
+
+_LE = {name: tuple(le_text(b) for b in buckets_of(name)) for name in HISTOGRAMS}
 
 
 @dataclass
@@ -96,7 +118,7 @@ class Recorder:
     def observe(self, name: str, seconds: float, *labels: str) -> None:
         assert name in HISTOGRAMS, name
         seconds = max(seconds, 0.0)
-        le = _LE[bisect.bisect_left(BUCKETS, seconds)]
+        le = _LE[name][bisect.bisect_left(buckets_of(name), seconds)]
         base = "|".join((name, *labels))
         with self._lock:
             self._counters[f"h|{base}|{le}"] += 1

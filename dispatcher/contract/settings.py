@@ -35,7 +35,14 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-__all__ = ["ClassConfig", "Settings", "SettingsError", "TenantConfig", "load_settings"]
+__all__ = [
+    "ClassConfig",
+    "Settings",
+    "SettingsError",
+    "TenantConfig",
+    "TypeConfig",
+    "load_settings",
+]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -66,6 +73,19 @@ class ClassConfig(BaseModel):
         gt=0,
         description="A task of this class waiting longer is served before higher classes' "
         "newer tasks on shared workers, so the class cannot starve.",
+    )
+
+
+class TypeConfig(BaseModel):
+    """Operator overrides for one task type (``[types."<name>"]``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_max_size: int | None = Field(
+        None, ge=1, le=1024, description="Largest batch of a batched type; 1 turns batching off."
+    )
+    batch_max_wait_ms: float | None = Field(
+        None, ge=0, le=10_000, description="How long a short batch waits for more tasks."
     )
 
 
@@ -144,6 +164,9 @@ class Settings(BaseSettings):
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
     default_class: str = Field("batch", description="Class of a submission that names none.")
     tenants: list[TenantConfig] = Field(default_factory=list)
+    types: dict[str, TypeConfig] = Field(
+        default_factory=dict, description="Per task type overrides (batch policy)."
+    )
 
     # Input limits.
     max_body_bytes: int = Field(1 * MiB, ge=1024, description="JSON request body limit.")

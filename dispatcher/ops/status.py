@@ -91,7 +91,7 @@ def pool_view(queues: dict[str, Any], workers: dict[str, Any] | None) -> Group:
                 w["state"],
                 _device(w["device"]),
                 ",".join(w["classes"]),
-                w["current_task"] or "-",
+                _current(w),
                 str(w["tasks_done"]),
                 str(w["tasks_failed"]),
             )
@@ -117,3 +117,12 @@ def show_status(client: Client, watch: bool, interval_s: float = 1.0) -> None:
         while True:
             time.sleep(interval_s)
             live.update(_fetch(client))
+
+
+def _current(worker: dict[str, Any]) -> str:
+    """The task it runs, and how many more its batch holds."""
+    current = worker.get("current_task")
+    if not current:
+        return "-"
+    extra = len(worker.get("current_batch") or []) - 1
+    return f"{current} (+{extra} in batch)" if extra > 0 else str(current)

