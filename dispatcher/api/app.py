@@ -25,7 +25,7 @@ from dispatcher.api.deps import Services
 from dispatcher.api.errors import install_error_handlers
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
-from dispatcher.api.routes import events, observe, pool, tasks
+from dispatcher.api.routes import events, observe, openai, pool, tasks
 from dispatcher.api.store import TaskStore
 from dispatcher.api.waiters import Waiters
 from dispatcher.contract import keys
@@ -159,7 +159,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         docs_url=None,  # served from the package instead of a CDN (routes/observe.py)
     )
     install_error_handlers(app)
-    for module in (tasks, events, pool, observe):
+    for module in (tasks, events, pool, observe, openai):
         app.include_router(module.router)
     return app
 

@@ -152,6 +152,10 @@ class Catalog:
                     self._types = {**self._types, name: info}
         return info
 
+    def models(self) -> dict[str, str]:
+        """model id -> task type, for the types that declare a model."""
+        return {info.model: name for name, info in self._types.items() if info.model}
+
     async def names(self) -> list[str]:
         """Known type names, read afresh: for the error that lists them."""
         await self._published()

@@ -26,7 +26,7 @@ from dispatcher.api.store import Submission
 from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
 
-__all__ = ["parse_submission"]
+__all__ = ["limited_body", "parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s"}
 _MAX_NAME = 64
@@ -64,6 +64,11 @@ def _limited(request: Request, limit: int, what: str) -> Request:
         return message
 
     return Request(request.scope, receive)
+
+
+async def limited_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it passes ``limit`` bytes."""
+    return await _limited(request, limit, "request body").body()
 
 
 def _invalid(message: str, **extra: Any) -> ApiError:

@@ -185,6 +185,16 @@ class Settings(BaseSettings):
         1000, ge=1, description="Open connections per API process; past it: 503 server_busy."
     )
 
+    # OpenAI-compatible entry (``/v1/embeddings``): each input is one task of this class.
+    openai_class: str = Field("interactive", description="Class of /v1/embeddings tasks.")
+    openai_timeout_s: float = Field(
+        60.0, gt=0, description="How long /v1/embeddings waits for its tasks (then 504)."
+    )
+    openai_max_body_bytes: int = Field(
+        24 * MiB, ge=1024, description="/v1/embeddings body limit (2,048 inputs of 8,192 chars)."
+    )
+    openai_max_input_chars: int = Field(8192, ge=1, description="Characters per input.")
+
     # Task lifetime.
     default_timeout_s: float = Field(600.0, gt=0)
     max_timeout_s: float = Field(3600.0, gt=0)
@@ -290,6 +300,8 @@ class Settings(BaseSettings):
             raise ValueError("default_timeout_s must not exceed max_timeout_s")
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not a configured class")
+        if self.openai_class not in self.classes:
+            raise ValueError(f"openai_class {self.openai_class!r} is not a configured class")
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError("tenant names must be unique")

@@ -1,0 +1,240 @@
+"""OpenAI-compatible entry: ``GET /v1/models`` and ``POST /v1/embeddings``.
+
+Each input string becomes one ordinary task of the model's task type (the catalog maps
+a model id to the type that serves it), in the class ``openai_class``, so admission,
+tenants, quotas, fairness and dynamic batching apply exactly as to ``POST /tasks``.
+The route submits them all, waits for every one through the process' task waiters
+(no polling), and answers in OpenAI's shape. Tenant keys are the API keys
+(``Authorization: Bearer``). Errors raised inside these routes use OpenAI's body,
+``{"error": {"message", "type", "param", "code"}}``, with the status the official SDK
+expects; the ``Retry-After`` and rate-limit headers are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import struct
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from dispatcher.api.auth import Principal
+from dispatcher.api.deps import Services, caller, extra_headers, services
+from dispatcher.api.errors import ApiError
+from dispatcher.api.store import Submission
+from dispatcher.api.submission import limited_body
+from dispatcher.api.waiters import unless_disconnected
+from dispatcher.contract.jobs import FINAL, TaskStatus
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+MAX_INPUTS = 2048
+_ENCODINGS = ("float", "base64")
+_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
+# A failed item's code -> the HTTP status of the whole request.
+_ITEM_STATUS = {"invalid_args": 400, "refused": 400, "canceled": 499}
+
+
+def _invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request", message, param=param)
+
+
+async def _models(svc: Services) -> dict[str, str]:
+    """model id -> the task type that serves it, from the published catalog."""
+    await svc.catalog.refresh()
+    return svc.catalog.models()
+
+
+# gpulane error code -> OpenAI's error type.
+_TYPES = {
+    "unauthorized": "authentication_error",
+    "rate_limited": "rate_limit_exceeded",
+    "model_not_found": "invalid_request_error",
+    "invalid_request": "invalid_request_error",
+    "payload_too_large": "invalid_request_error",
+}
+
+
+def _openai_error(exc: ApiError, request: Request) -> JSONResponse:
+    param = exc.extra.get("param")
+    body = {
+        "error": {
+            "message": exc.message,
+            "type": _TYPES.get(exc.code, "server_error"),
+            "param": param if isinstance(param, str) else None,
+            "code": exc.code,
+        }
+    }
+    headers = {**extra_headers(request), **exc.headers}
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+@router.get("/models", summary="Models served by the pool (OpenAI shape)")
+async def list_models(request: Request) -> JSONResponse:
+    svc = services(request)
+    try:
+        await caller(request)
+        models = await _models(svc)
+    except ApiError as exc:
+        return _openai_error(exc, request)
+    data = [
+        {"id": model, "object": "model", "created": 0, "owned_by": "gpulane"}
+        for model in sorted(models)
+    ]
+    return JSONResponse({"object": "list", "data": data}, headers=extra_headers(request))
+
+
+def _inputs(body: dict[str, Any], max_chars: int) -> list[str]:
+    raw = body.get("input")
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items:
+        raise _invalid("'input' must be a non-empty string or list of strings.", "input")
+    if len(items) > MAX_INPUTS:
+        raise _invalid(f"'input' has {len(items)} items; at most {MAX_INPUTS}.", "input")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise _invalid(f"'input[{i}]' must be a string (token arrays are not supported).")
+        if not item:
+            raise _invalid(f"'input[{i}]' is empty.", "input")
+        if len(item) > max_chars:
+            raise _invalid(f"'input[{i}]' has {len(item)} characters; at most {max_chars}.")
+    return items
+
+
+async def _body(request: Request, svc: Services) -> dict[str, Any]:
+    raw = await limited_body(request, svc.settings.openai_max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise _invalid(f"The body is not valid JSON: {str(exc)[:200]}.") from exc
+    if not isinstance(body, dict):
+        raise _invalid("The body must be a JSON object.")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise _invalid(f"Unknown fields {unknown[:5]}.")
+    return body
+
+
+def _refusal(verdict: str, retry_s: int) -> ApiError:
+    headers = {"Retry-After": str(retry_s)}
+    if verdict == "over_quota":
+        message = "Your key has too many tasks queued or running; retry later."
+        return ApiError(429, "rate_limited", message, headers=headers)
+    message = (
+        "The pool is overloaded; retry later."
+        if verdict == "queue_full"
+        else ("No worker serves this model right now; retry later.")
+    )
+    return ApiError(503, verdict, message, headers=headers)
+
+
+async def _submit_all(
+    svc: Services, principal: Principal, task_type: str, texts: list[str]
+) -> list[str]:
+    """Submit one task per input; on any refusal cancel those already accepted."""
+    cls = svc.settings.openai_class
+    state = (await svc.pool.cached()).classes[cls]
+    if state.workers == 0:  # the cached snapshot may predate a worker that just came up
+        state = (await svc.pool.snapshot()).classes[cls]
+    quota = principal.config.max_in_flight if principal.config else 0
+    timeout_s = svc.settings.class_timeout_s(cls)
+    subs = [
+        Submission(task_type, cls, {"text": t}, timeout_s, principal.tenant, max_in_flight=quota)
+        for t in texts
+    ]
+    results = await asyncio.gather(*(svc.store.submit(sub, state) for sub in subs))
+    accepted = [r.task_id for r in results if r.verdict == "accepted"]
+    refused = next((r for r in results if r.verdict != "accepted"), None)
+    if refused is not None:
+        await _cancel(svc, accepted, principal)
+        svc.recorder.count("rejected", cls, refused.verdict)
+        raise _refusal(refused.verdict, max(math.ceil(state.run_s), 1))
+    for _ in accepted:
+        svc.recorder.count("submitted", cls, task_type)
+    return accepted
+
+
+async def _all(work: asyncio.Future[list[dict[str, Any] | None]]) -> list[dict[str, Any] | None]:
+    return await work
+
+
+async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
+    """Best effort: tasks nobody will read (final ones are left as they are)."""
+    results = await asyncio.gather(
+        *(svc.store.cancel(i, principal.task_scope) for i in ids), return_exceptions=True
+    )
+    for result in results:
+        if not isinstance(result, BaseException) and result.verdict == "canceled":
+            svc.recorder.count("finished", result.cls, result.task_type, "canceled")
+
+
+def _item_error(record: dict[str, Any], index: int) -> ApiError:
+    error = record.get("error") or {}
+    code = str(error.get("code", "task_error"))
+    message = f"input[{index}]: {error.get('message', 'failed')}"
+    status = _ITEM_STATUS.get(code, 503)
+    if status == 503:
+        return ApiError(503, "store_unavailable", message, headers={"Retry-After": "1"})
+    return ApiError(status, "invalid_request", message, param="input")
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+@router.post("/embeddings", summary="Embeddings (OpenAI shape)")
+async def embeddings(request: Request) -> JSONResponse:
+    """One task per input, in class `openai_class`; answers when all have ended."""
+    try:
+        return await _embeddings(request)
+    except ApiError as exc:
+        return _openai_error(exc, request)
+
+
+async def _embeddings(request: Request) -> JSONResponse:
+    svc = services(request)
+    principal = await caller(request)
+    body = await _body(request, svc)
+    fmt = body.get("encoding_format", "float")
+    if fmt not in _ENCODINGS:
+        raise _invalid(f"'encoding_format' must be one of {list(_ENCODINGS)}.")
+    model = body.get("model")
+    models = await _models(svc)
+    if not isinstance(model, str) or model not in models:
+        name = str(model)[:100]
+        raise ApiError(404, "model_not_found", f"The model {name!r} does not exist.")
+    texts = _inputs(body, svc.settings.openai_max_input_chars)
+    ids = await _submit_all(svc, principal, models[model], texts)
+    scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
+    work = asyncio.gather(*(svc.waiters.until_final(i, scope, timeout_s) for i in ids))
+    records = await unless_disconnected(request.receive, _all(work))
+    if records is None:  # the client left: its tasks would only burn GPU time
+        await _cancel(svc, ids, principal)
+        raise ApiError(499, "client_closed", "The client closed the request.")
+    data, tokens = [], 0
+    for index, record in enumerate(records):
+        if record is None or record["status"] not in FINAL:
+            await _cancel(svc, ids, principal)
+            raise ApiError(504, "timeout", "The embeddings did not finish in time.")
+        if record["status"] != TaskStatus.SUCCEEDED:
+            raise _item_error(record, index)
+        result = record["result"]
+        tokens += int(result.get("tokens", 0))
+        data.append(
+            {"object": "embedding", "index": index, "embedding": _encode(result["embedding"], fmt)}
+        )
+    answer = {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return JSONResponse(answer, headers=extra_headers(request))

