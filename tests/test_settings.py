@@ -34,6 +34,7 @@ def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.port == 9123
     assert settings.class_names == ["rt", "bulk"]
     assert settings.classes["rt"].max_queued == 5
+    assert settings.openai_task_class == "bulk"  # no interactive class: the default one
 
 
 def test_toml_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

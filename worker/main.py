@@ -155,11 +155,15 @@ class _Worker:
         self.runner.device = self.state.device_json() or {}
         if not self.load_models():
             return 0
+        # The catalog first, while still `starting`: a heartbeat may publish the state at
+        # any moment, and nobody may see this worker idle before its types are known.
+        if not _register(self.broker, self.state, self.settings, self.recorder):
+            return 0  # stopped (or unhealthy, or its name taken) before it could serve
         # Ready from this registration on: published as idle now, not a heartbeat later,
         # so admission counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")
         if not _register(self.broker, self.state, self.settings, self.recorder):
-            return 0  # stopped (or unhealthy, or its name taken) before it could serve
+            return 0
         device = self.state.device
         log.info(
             "worker ready on %s (%s%s), classes %s, tasks %s",

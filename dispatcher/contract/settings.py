@@ -186,7 +186,11 @@ class Settings(BaseSettings):
     )
 
     # OpenAI-compatible entry (``/v1/embeddings``): each input is one task of this class.
-    openai_class: str = Field("interactive", description="Class of /v1/embeddings tasks.")
+    openai_class: str | None = Field(
+        None,
+        description="Class of /v1/embeddings tasks; unset: `interactive` if configured, "
+        "else default_class.",
+    )
     openai_timeout_s: float = Field(
         60.0, gt=0, description="How long /v1/embeddings waits for its tasks (then 504)."
     )
@@ -300,7 +304,7 @@ class Settings(BaseSettings):
             raise ValueError("default_timeout_s must not exceed max_timeout_s")
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not a configured class")
-        if self.openai_class not in self.classes:
+        if self.openai_class is not None and self.openai_class not in self.classes:
             raise ValueError(f"openai_class {self.openai_class!r} is not a configured class")
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
@@ -333,6 +337,13 @@ class Settings(BaseSettings):
     @property
     def redis_url_or_default(self) -> str:
         return self.redis_url or "redis://127.0.0.1:6379/0"
+
+    @property
+    def openai_task_class(self) -> str:
+        """The class /v1/embeddings submits to."""
+        if self.openai_class is not None:
+            return self.openai_class
+        return "interactive" if "interactive" in self.classes else self.default_class
 
     @property
     def class_names(self) -> list[str]:

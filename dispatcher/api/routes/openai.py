@@ -138,7 +138,7 @@ async def _submit_all(
     svc: Services, principal: Principal, task_type: str, texts: list[str]
 ) -> list[str]:
     """Submit one task per input; on any refusal cancel those already accepted."""
-    cls = svc.settings.openai_class
+    cls = svc.settings.openai_task_class
     state = (await svc.pool.cached()).classes[cls]
     if state.workers == 0:  # the cached snapshot may predate a worker that just came up
         state = (await svc.pool.snapshot()).classes[cls]
