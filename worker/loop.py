@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.jobs import PUBLIC_STATUS
@@ -29,6 +29,7 @@ log = logging.getLogger("gpulane.worker")
 
 PARK_POLL_S = 1.0  # how often a parked worker looks up to check for a stop request
 RECHECK_S = 5.0  # a parked worker looks at the queues anyway this often (lost doorbells)
+FULL_REASON = "redis is full (maxmemory): takes no task until it has room"
 
 
 class WorkerLoop:
@@ -54,6 +55,12 @@ class WorkerLoop:
         while not self.state.stopping:
             try:
                 claimed = self.broker.claim(was_idle, device, redeliver)
+            except OutOfMemoryError as exc:
+                # Refused whole before it ran (script flags): nothing moved. Wait for
+                # room, saying why in GET /workers; the heartbeat keeps the lease.
+                self.state.set("idle", FULL_REASON)
+                self._wait_out(exc)
+                continue
             except ResponseError:
                 raise  # a script error, not an outage: retrying would loop forever
             except RedisError as exc:
@@ -92,7 +99,7 @@ class WorkerLoop:
     def _wait_out(self, exc: RedisError) -> None:
         delay = self._backoff.next()
         if self._backoff.failures == 1:
-            log.warning("redis unreachable, retrying: %s", exc, extra={"worker": self.broker.name})
+            log.warning("redis unavailable, retrying: %s", exc, extra={"worker": self.broker.name})
         time.sleep(delay)
 
     def _execute(self, claimed: Claimed) -> None:
@@ -143,6 +150,11 @@ class WorkerLoop:
                     outcome.error,
                     ctx.latest_progress if ctx else None,
                 )
+            except OutOfMemoryError as exc:
+                # Redis full: the report was refused whole; keep the outcome and retry
+                # (the heartbeat keeps the lease meanwhile).
+                self._wait_out(exc)
+                continue
             except ResponseError:
                 # A script error, not an outage: retrying would never end. Leave; the
                 # lease hands the task to another worker, within its attempt budget.

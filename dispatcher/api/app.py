@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from dispatcher.api.auth import Authenticator
 from dispatcher.api.catalog import Catalog
@@ -56,12 +56,22 @@ async def _flush_metrics(client: Redis, recorder: Recorder) -> None:
 
 
 async def _maintain_once(svc: Services, catalog_due: bool) -> None:
-    reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
-    record_reaped(reaped, svc.recorder, "gave back a dead worker's task")
+    """One pass. Redis full (maxmemory) refuses the writes (reap, metrics flush) whole;
+    the reads go on, so /queues, /workers and admission stay current, and the writes
+    resume by themselves once memory frees (the reaper then extends every lease once,
+    invariant 9; the metrics were kept)."""
+    try:
+        reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
+        record_reaped(reaped, svc.recorder, "gave back a dead worker's task")
+    except OutOfMemoryError:
+        log.warning("redis is full (maxmemory): reaper pass skipped")
     await svc.pool.snapshot()
     if catalog_due:
         await svc.catalog.refresh()
-    await _flush_metrics(svc.client, svc.recorder)
+    try:
+        await _flush_metrics(svc.client, svc.recorder)
+    except OutOfMemoryError:
+        log.warning("redis is full (maxmemory): metrics kept until it has room")
 
 
 async def _maintain(svc: Services) -> None:

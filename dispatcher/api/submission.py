@@ -29,6 +29,8 @@ from dispatcher.contract.settings import Settings
 __all__ = ["parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s"}
+_MAX_DEPTH = 32  # nesting of arrays and objects in a request
+_MAX_INT = 2**63  # integers beyond a signed 64-bit range do not round-trip everywhere
 _MAX_NAME = 64
 _MAX_IDEMPOTENCY_KEY = 255
 _MAX_FILENAME = 255
@@ -70,10 +72,49 @@ def _invalid(message: str, **extra: Any) -> ApiError:
     return ApiError(422, "invalid_request", message, **extra)
 
 
+class _NonFinite:
+    """What ``NaN``, ``Infinity`` and ``-Infinity`` parse to: refused by :func:`_check`
+    (they are not JSON, and a task or a record could not carry them)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _loads(text: str | bytes) -> Any:
+    return json.loads(text, parse_constant=_NonFinite)
+
+
+def _check(value: Any, where: str = "body", depth: int = 0) -> None:
+    """Refuse (422) what cannot round-trip through Redis, the worker and the record:
+    nesting past ``_MAX_DEPTH``, NaN or infinities, integers past 64 bits, strings
+    (keys included) that are not valid Unicode (lone surrogates)."""
+    if depth > _MAX_DEPTH:
+        raise _invalid(f"The request nests deeper than {_MAX_DEPTH} levels ({where}).")
+    if isinstance(value, _NonFinite):
+        raise _invalid(f"{value.text} is not a JSON number ({where}).")
+    if isinstance(value, bool | float | None):
+        return
+    if isinstance(value, int):
+        if not -_MAX_INT <= value < _MAX_INT:
+            raise _invalid(f"An integer is out of the 64-bit range ({where}).")
+    elif isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise _invalid(f"A string is not valid Unicode (a lone surrogate?) ({where}).") from exc
+    elif isinstance(value, list):
+        for item in value:
+            _check(item, where, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check(key, where, depth + 1)
+            _check(item, f"{where}.{key}"[:80] if depth == 0 else where, depth + 1)
+
+
 async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     body = await _limited(request, settings.max_body_bytes, "request body").body()
     try:
-        fields = json.loads(body)
+        fields = _loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
     if not isinstance(fields, dict):
@@ -105,7 +146,7 @@ async def _form_fields(
             )
     if "args" in fields:
         try:
-            fields["args"] = json.loads(fields["args"])
+            fields["args"] = _loads(fields["args"])
         except (ValueError, RecursionError) as exc:
             raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
     if "timeout_s" in fields:
@@ -190,6 +231,8 @@ async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | Non
     data = await upload.read()
     if len(data) > limit:
         raise _too_large(limit, "file")
+    if not data:
+        raise _invalid("The file is empty.")
     name = (upload.filename or "upload")[:_MAX_FILENAME]
     return FileMeta(name, upload.content_type or "application/octet-stream", len(data)), data
 
@@ -206,6 +249,7 @@ async def parse_submission(
 ) -> Submission:
     """Read and validate a submission; raise :class:`ApiError` with a clear message."""
     fields, upload = await _read(request, settings)
+    _check(fields)
     cls = _class(fields, principal, settings)
     task_type = await _task_type(fields, upload, settings, catalog)
     meta, data = await _upload(upload, settings.max_file_bytes)

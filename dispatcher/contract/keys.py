@@ -23,6 +23,9 @@ gpulane's keys::
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
+    gpulane:bytes:<class>            STRING payload bytes (call data + upload) of the
+                                            class's unfinished tasks, for max_queued_bytes:
+                                            INCRBY in submit.lua, DECRBY when a task ends
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
@@ -61,6 +64,7 @@ __all__ = [
     "job",
     "lua_prelude",
     "queue",
+    "queued_bytes",
     "rate",
     "stats",
     "tenant_tasks",
@@ -90,6 +94,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "wake": (_P + "wake:", ("name",), ""),
     "control": (_P + "control:", ("name",), ""),
     "stats": (_P + "stats:", ("cls",), ""),
+    "queued_bytes": (_P + "bytes:", ("cls",), ""),
     "idem": (_P + "idem:", ("tenant", "digest"), ""),
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
@@ -136,6 +141,10 @@ def control(name: str) -> str:
 
 def stats(cls: str) -> str:
     return _build("stats", cls)
+
+
+def queued_bytes(cls: str) -> str:
+    return _build("queued_bytes", cls)
 
 
 def idem(tenant: str, digest: str) -> str:

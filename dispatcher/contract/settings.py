@@ -44,6 +44,12 @@ class ClassConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_queued: int = Field(1000, ge=1, description="Refuse (503 queue_full) past this depth.")
+    max_queued_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        description="Refuse (503 queue_full) a task whose payload (call data and upload) "
+        "would bring the class's unfinished tasks' payloads over this many bytes.",
+    )
     max_wait_s: float = Field(
         3600.0, gt=0, description="Refuse when the estimated wait of a new task exceeds this."
     )

@@ -83,6 +83,11 @@ def _refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErr
     }
     if result.verdict == "no_workers":
         message = f"No live worker serves class {state.name!r}; retry later."
+    elif result.limit == "bytes":
+        message = (
+            f"Class {state.name!r} is full: its unfinished tasks hold max_queued_bytes "
+            f"({state.config.max_queued_bytes} bytes of data and uploads); retry in {retry} s."
+        )
     else:
         message = f"Class {state.name!r} is full ({result.depth} queued); retry in {retry} s."
     return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry)
@@ -111,6 +116,13 @@ async def submit_task(request: Request) -> JSONResponse:
     sub = await parse_submission(request, principal, svc.settings, svc.catalog)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
     result, state = await _submit(svc, sub, snap)
+    if result.verdict == "idempotency_key_reused":
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            f"This Idempotency-Key was first used for another request (task {result.task_id}); "
+            "use a new key for a new request.",
+        )
     if result.verdict in ("queue_full", "no_workers", "over_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
         raise _refusal(result, state, sub)

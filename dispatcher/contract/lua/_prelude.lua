@@ -42,11 +42,20 @@ local function wake(cls, classes)
 end
 
 -- Write a final status once: the record expires after ttl, the upload goes at once,
--- and the task stops counting against its tenant's max_in_flight (when it counted:
--- `quota_tenant` is the tenant then, else false).
+-- its payload stops counting against its class's max_queued_bytes, and the task stops
+-- counting against its tenant's max_in_flight (when it counted: `quota_tenant` is the
+-- tenant then, else false).
 local function finalize(id, status, now, ttl, extra, quota_tenant)
   local jk = K.job(id)
-  redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, unpack(extra))
+  local held = redis.call('HMGET', jk, 'origin', 'bytes')
+  local bytes = tonumber(held[2]) or 0
+  if held[1] and bytes > 0 then
+    if redis.call('DECRBY', K.queued_bytes(held[1]), bytes) <= 0 then
+      redis.call('DEL', K.queued_bytes(held[1]))
+    end
+  end
+  redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, 'bytes', 0,
+    unpack(extra))
   redis.call('EXPIRE', jk, ttl)
   redis.call('DEL', K.file(id))
   if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
