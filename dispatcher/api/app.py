@@ -19,9 +19,10 @@ from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from dispatcher.api.auth import Authenticator
-from dispatcher.api.catalog import Catalog
+from dispatcher.api.catalog import Catalog, TaskTypeInfo
 from dispatcher.api.deps import Services
 from dispatcher.api.errors import install_error_handlers
+from dispatcher.api.openapi import install_openapi
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
 from dispatcher.api.routes import observe, pool, tasks
@@ -162,7 +163,13 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (tasks, pool, observe):
         app.include_router(module.router)
+    install_openapi(app, settings, lambda: _catalog_types(app))
     return app
+
+
+def _catalog_types(app: FastAPI) -> dict[str, TaskTypeInfo]:
+    svc: Services | None = getattr(app.state, "services", None)
+    return svc.catalog.types if svc is not None else {}
 
 
 def app_from_environment() -> FastAPI:

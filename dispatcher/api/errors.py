@@ -34,6 +34,7 @@ from redis.exceptions import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
@@ -77,7 +78,8 @@ _WHEN = {
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` for these error statuses, each with the error body."""
-    return {status: {"model": ErrorBody, "description": _WHEN[status]} for status in statuses}
+    content = {"application/json": {"schema": ErrorBody.model_json_schema()}}
+    return {status: {"description": _WHEN[status], "content": content} for status in statuses}
 
 
 class ApiError(Exception):
@@ -166,9 +168,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"No route {request.url.path}."
         if exc.status_code == 405:
-            allow = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
-            if "GET" in allow and "HEAD" not in allow:
-                allow.append("HEAD")  # HeadAsGet answers HEAD on every GET route
+            allow = _allowed(request)
             headers["Allow"] = ", ".join(sorted(allow))
             message = f"{request.method} is not allowed here; allowed: {headers['Allow']}."
         return _response(ApiError(exc.status_code, code, message, headers=headers), request)
@@ -187,6 +187,30 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_middleware(_Unexpected)
     app.add_middleware(HeadAsGet)
+
+
+def _allowed(request: Request) -> set[str]:
+    """Every method some route answers on this path (Starlette names only the first
+    route that matched the path)."""
+    allow = _methods(request.app.routes, request.scope)
+    if "GET" in allow:
+        allow.add("HEAD")  # HeadAsGet answers HEAD on every GET route
+    return allow
+
+
+def _methods(routes: Any, scope: Scope) -> set[str]:
+    found: set[str] = set()
+    for route in routes:
+        methods = getattr(route, "methods", None)
+        if methods:
+            if route.matches(scope)[0] != Match.NONE:
+                found |= set(methods)
+        else:  # an included router (FastAPI wraps it)
+            inner = getattr(route, "routes", None)
+            if inner is None:
+                inner = getattr(getattr(route, "original_router", None), "routes", ())
+            found |= _methods(inner, scope)
+    return found
 
 
 def _where(request: Request) -> tuple[str, str]:

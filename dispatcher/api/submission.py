@@ -14,8 +14,9 @@ import json
 import math
 from typing import Any
 
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.types import Message, Receive
 
@@ -30,7 +31,6 @@ __all__ = ["parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
-_MAX_INT = 2**63  # integers beyond a signed 64-bit range do not round-trip everywhere
 _MAX_NAME = 64
 _MAX_IDEMPOTENCY_KEY = 255
 _MAX_FILENAME = 255
@@ -86,18 +86,13 @@ def _loads(text: str | bytes) -> Any:
 
 def _check(value: Any, where: str = "body", depth: int = 0) -> None:
     """Refuse (422) what cannot round-trip through Redis, the worker and the record:
-    nesting past ``_MAX_DEPTH``, NaN or infinities, integers past 64 bits, strings
-    (keys included) that are not valid Unicode (lone surrogates)."""
+    nesting past ``_MAX_DEPTH``, NaN or infinities, strings (keys included) that are
+    not valid Unicode (lone surrogates)."""
     if depth > _MAX_DEPTH:
         raise _invalid(f"The request nests deeper than {_MAX_DEPTH} levels ({where}).")
     if isinstance(value, _NonFinite):
         raise _invalid(f"{value.text} is not a JSON number ({where}).")
-    if isinstance(value, bool | float | None):
-        return
-    if isinstance(value, int):
-        if not -_MAX_INT <= value < _MAX_INT:
-            raise _invalid(f"An integer is out of the 64-bit range ({where}).")
-    elif isinstance(value, str):
+    if isinstance(value, str):
         try:
             value.encode()
         except UnicodeEncodeError as exc:
@@ -125,12 +120,31 @@ async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     return fields
 
 
+class _FormParser(MultiPartParser):
+    """Starlette's parser, except that a ``file`` part sent without a file name is
+    still a file (its bytes, not text decoded as UTF-8 or latin-1)."""
+
+    def on_headers_finished(self) -> None:
+        part = self._current_part
+        _, options = parse_options_header(part.content_disposition)
+        if options.get(b"name") == b"file" and b"filename" not in options:
+            part.content_disposition = (part.content_disposition or b"") + b'; filename=""'
+        super().on_headers_finished()
+
+
 async def _form_fields(
     request: Request, settings: Settings
 ) -> tuple[dict[str, Any], UploadFile | None]:
     limited = _limited(request, settings.max_file_bytes + settings.max_body_bytes, "upload")
     try:
-        form = await limited.form(max_files=1, max_fields=8, max_part_size=settings.max_body_bytes)
+        parser = _FormParser(
+            limited.headers,
+            limited.stream(),
+            max_files=1,
+            max_fields=8,
+            max_part_size=settings.max_body_bytes,
+        )
+        form = await parser.parse()
     except MultiPartException as exc:
         raise ApiError(400, "invalid_request", f"Malformed multipart body: {exc.message}") from exc
     fields: dict[str, Any] = {}
@@ -158,7 +172,9 @@ async def _form_fields(
 
 
 def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
-    value = fields.get(key, default)
+    value = fields.get(key)
+    if value is None:  # absent or null: the default
+        value = default
     if value is None:
         raise _invalid(f"The '{key}' field is required.")
     if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
@@ -172,9 +188,10 @@ def _timeout(fields: dict[str, Any], default_s: float, max_s: float) -> float:
     value = fields.get("timeout_s")
     if value is None:
         return default_s
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise _invalid("'timeout_s' must be a number of seconds.")
-    if not 0 < value <= max_s:
+    # An int is compared as it is: math.isfinite() or float() overflow on a huge one.
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 < value <= max_s:
         raise _invalid(f"'timeout_s' must be more than 0 and at most {max_s:g}.")
     return float(value)
 

@@ -71,7 +71,10 @@ def _asset(name: str, request: Request) -> Response:
     "/metrics",
     summary="Prometheus metrics of the whole pool",
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
+    responses={
+        200: {"content": {"text/plain": {}}, "description": "Prometheus text"},
+        **error_responses(401, 404, 429, 503),
+    },
 )
 async def metrics(request: Request) -> Response:
     """Counters, gauges and histograms named in docs/design.md, aggregated over the whole
@@ -95,7 +98,11 @@ def _window(request: Request) -> LatencyWindow:
     return window
 
 
-@router.get("/stats", summary="Per-class task counts and latency percentiles (JSON)")
+@router.get(
+    "/stats",
+    summary="Per-class task counts and latency percentiles (JSON)",
+    responses=error_responses(401, 429, 503),
+)
 async def stats(request: Request) -> dict[str, Any]:
     """What the dashboard shows beside `/queues` and `/workers`, one entry per class in
     priority order (only the classes the key may use):

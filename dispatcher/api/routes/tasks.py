@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from dispatcher.api import admission
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
-from dispatcher.api.errors import ApiError
+from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
 from dispatcher.api.store import Submission, SubmitResult
 from dispatcher.api.submission import parse_submission
@@ -50,6 +50,40 @@ _SUBMIT_BODY: dict[str, Any] = {
             },
         },
     }
+}
+
+
+_ACCEPTED = {
+    "type": "object",
+    "required": ["id", "status", "type", "class", "position", "estimated_wait_s"],
+    "properties": {
+        "id": {"type": "string"},
+        "status": {"type": "string"},
+        "type": {"type": "string"},
+        "class": {"type": "string"},
+        "position": {"type": ["integer", "null"]},
+        "estimated_wait_s": {"type": ["number", "null"]},
+    },
+}
+_SUBMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    202: {
+        "description": "Accepted and queued.",
+        "content": {"application/json": {"schema": _ACCEPTED}},
+    },
+    200: {
+        "description": "Idempotent replay of an earlier identical request.",
+        "content": {"application/json": {"schema": _ACCEPTED}},
+    },
+    **error_responses(400, 401, 413, 422, 429, 503),
+}
+_RECORD = {
+    "description": "The task record.",
+    "content": {"application/json": {"schema": {"type": "object"}}},
+}
+_CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {**_RECORD, "description": "Canceled (it was queued); the record."},
+    202: {**_RECORD, "description": "Cancel requested (it is running); the record."},
+    **error_responses(401, 404, 409, 429, 503),
 }
 
 
@@ -106,7 +140,14 @@ async def _submit(
     return result, state
 
 
-@router.post("/tasks", status_code=202, openapi_extra=_SUBMIT_BODY, tags=["tasks"])
+@router.post(
+    "/tasks",
+    status_code=202,
+    openapi_extra=_SUBMIT_BODY,
+    tags=["tasks"],
+    responses=_SUBMIT_RESPONSES,
+    response_model=None,
+)
 async def submit_task(request: Request) -> JSONResponse:
     """Submit a task (JSON, or multipart with a `file`). 202 with its id and queue position."""
     svc = services(request)
@@ -151,7 +192,7 @@ def _not_found(task_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
 
 
-@router.get("/tasks/{task_id}", tags=["tasks"])
+@router.get("/tasks/{task_id}", tags=["tasks"], responses=error_responses(401, 404, 429, 503))
 async def get_task(task_id: str, request: Request, response: Response) -> dict[str, Any]:
     """The task record: status, position, progress, result or error, timings."""
     svc = services(request)
@@ -162,7 +203,7 @@ async def get_task(task_id: str, request: Request, response: Response) -> dict[s
     return record
 
 
-@router.delete("/tasks/{task_id}", tags=["tasks"])
+@router.delete("/tasks/{task_id}", tags=["tasks"], responses=_CANCEL_RESPONSES, response_model=None)
 async def cancel_task(task_id: str, request: Request) -> JSONResponse:
     """Cancel: a queued task at once (200), a running one by its worker (202)."""
     svc = services(request)
