@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 
+import httpx
 import pytest
 
 from dispatcher.contract.logs import RepeatFilter, TextFormatter
@@ -72,3 +73,20 @@ def test_aborted_uploads_log_a_line_each_without_tracebacks(
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     assert lines <= 2 * ABORTS + 5, lines
     assert all(r.levelno < logging.ERROR for r in caplog.records)
+
+
+def test_unexpected_error_is_one_500_and_one_traceback(
+    api: ApiServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(api.server.config.app.state.services.store, "get", broken)
+    caplog.set_level(logging.INFO)
+    response = httpx.get(f"{api.url}/tasks/abc", timeout=5)
+    assert response.status_code == 500
+    assert response.json()["error"] == "internal_error"
+    assert "a bug" not in response.text
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
+    assert "GET /tasks/abc" in tracebacks[0].getMessage()

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.jobs import PUBLIC_STATUS
@@ -30,6 +30,9 @@ log = logging.getLogger("gpulane.worker")
 PARK_POLL_S = 1.0  # how often a parked worker looks up to check for a stop request
 RECHECK_S = 5.0  # a parked worker looks at the queues anyway this often (lost doorbells)
 FULL_REASON = "redis is full (maxmemory): takes no task until it has room"
+READ_ONLY_REASON = "redis is read-only (a replica?): takes no task until it can write"
+# Redis refused a write whole (script flags) and will take it later: not a script bug.
+_REFUSED_FOR_NOW = (OutOfMemoryError, ReadOnlyError)
 
 
 class WorkerLoop:
@@ -55,10 +58,11 @@ class WorkerLoop:
         while not self.state.stopping:
             try:
                 claimed = self.broker.claim(was_idle, device, redeliver)
-            except OutOfMemoryError as exc:
+            except _REFUSED_FOR_NOW as exc:
                 # Refused whole before it ran (script flags): nothing moved. Wait for
                 # room, saying why in GET /workers; the heartbeat keeps the lease.
-                self.state.set("idle", FULL_REASON)
+                full = isinstance(exc, OutOfMemoryError)
+                self.state.set("idle", FULL_REASON if full else READ_ONLY_REASON)
                 self._wait_out(exc)
                 continue
             except ResponseError:
@@ -150,9 +154,9 @@ class WorkerLoop:
                     outcome.error,
                     ctx.latest_progress if ctx else None,
                 )
-            except OutOfMemoryError as exc:
-                # Redis full: the report was refused whole; keep the outcome and retry
-                # (the heartbeat keeps the lease meanwhile).
+            except _REFUSED_FOR_NOW as exc:
+                # Redis full or read-only: the report was refused whole; keep the
+                # outcome and retry (the heartbeat keeps the lease meanwhile).
                 self._wait_out(exc)
                 continue
             except ResponseError:
