@@ -5,6 +5,7 @@ resumes once memory frees. A real redis-server of its own, a real ``maxmemory``.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,6 +54,8 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
     client = private_redis.client()
     publish_builtin_catalog(client)
     api = api_factory(make_settings(private_redis.url))
+    tenant = {"name": "t", "key_sha256": hashlib.sha256(b"key-t").hexdigest(), "admin": True}
+    keyed = api_factory(make_settings(private_redis.url, tenants=[tenant]))
     worker = start_worker("full-w", classes="interactive", redis_url_override=private_redis.url)
     with httpx.Client(base_url=api.url, timeout=10) as http:
         used = int(client.info("memory")["used_memory"])
@@ -82,6 +85,10 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
             assert record.json()["status"] == "queued"
         for path in ("/queues", "/stats", "/workers", "/metrics"):
             assert http.get(path).status_code == 200, path
+        # With keys, the rate limit still takes its token (allow-oom): reads work.
+        auth = {"Authorization": "Bearer key-t"}
+        for path in ("/queues", f"/tasks/{accepted[-1]}"):
+            assert httpx.get(keyed.url + path, headers=auth).status_code == 200, path
         health = http.get("/health")
         assert health.status_code == 200
         assert health.json()["redis"] == "full"
