@@ -4,7 +4,6 @@ resumes once memory frees. A real redis-server of its own, a real ``maxmemory``.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from support.catalog import publish_builtin_catalog
 from dispatcher.contract import keys
 from testkit import ApiServer, RedisServer, wait_for
 
-ARG_BYTES = 300_000  # random, so zlib cannot shrink the stored call data
+FILE_BYTES = 300_000
 
 
 @pytest.fixture
@@ -30,11 +29,11 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def _fill(http: httpx.Client, limit: int = 40) -> tuple[list[str], httpx.Response]:
-    """Queue batch tasks (no worker serves batch) until Redis refuses one."""
+    """Queue uploads on batch (no worker serves it) until Redis refuses one."""
     accepted: list[str] = []
     for _ in range(limit):
-        blob = base64.b64encode(os.urandom(ARG_BYTES)).decode()
-        response = http.post("/tasks", json={"type": "echo", "class": "batch", "args": {"b": blob}})
+        upload = {"file": ("a.pdf", os.urandom(FILE_BYTES), "application/pdf")}
+        response = http.post("/tasks", files=upload, data={"class": "batch"})
         if response.status_code != 202:
             return accepted, response
         accepted.append(response.json()["id"])
@@ -76,7 +75,7 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
         assert client.llen(keys.queue("batch")) == len(accepted)
         assert len(list(client.scan_iter(keys.job("*")))) == len(accepted)
         held = int(client.get(keys.queued_bytes("batch")) or 0)
-        assert held > len(accepted) * ARG_BYTES
+        assert held == len(accepted) * FILE_BYTES
 
         # Reads keep working; /health tells.
         for task_id in accepted:

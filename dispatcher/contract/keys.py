@@ -23,9 +23,9 @@ gpulane's keys::
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
-    gpulane:bytes:<class>            STRING payload bytes (call data + upload) of the
-                                            class's unfinished tasks, for max_queued_bytes:
-                                            INCRBY in submit.lua, DECRBY when a task ends
+    gpulane:bytes:<class>            STRING upload bytes held by the class's unfinished
+                                            tasks, for max_queued_bytes: INCRBY in
+                                            submit.lua, DECRBY when a task ends
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids

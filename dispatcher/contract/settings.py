@@ -47,8 +47,8 @@ class ClassConfig(BaseModel):
     max_queued_bytes: int = Field(
         1 << 30,
         ge=1024,
-        description="Refuse (503 queue_full) a task whose payload (call data and upload) "
-        "would bring the class's unfinished tasks' payloads over this many bytes.",
+        description="Refuse (503 queue_full) an upload that would bring the uploads held "
+        "by the class's unfinished tasks (they live in Redis) over this many bytes.",
     )
     max_wait_s: float = Field(
         3600.0, gt=0, description="Refuse when the estimated wait of a new task exceeds this."

@@ -120,7 +120,7 @@ def _refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErr
     elif result.limit == "bytes":
         message = (
             f"Class {state.name!r} is full: its unfinished tasks hold max_queued_bytes "
-            f"({state.config.max_queued_bytes} bytes of data and uploads); retry in {retry} s."
+            f"({state.config.max_queued_bytes} bytes of uploads); retry in {retry} s."
         )
     else:
         message = f"Class {state.name!r} is full ({result.depth} queued); retry in {retry} s."

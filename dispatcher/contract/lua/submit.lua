@@ -34,9 +34,10 @@ if depth >= o.max_queued then return {'queue_full', '', depth, est_ms, 'depth'} 
 if est_ms >= 0 and est_ms > o.max_wait_s * 1000 then
   return {'queue_full', '', depth, est_ms, 'wait'}
 end
-local size = #ARGV[2] + #ARGV[3]
-local held = tonumber(redis.call('GET', K.queued_bytes(o.class)) or '0')
-if held + size > o.max_bytes then return {'queue_full', '', depth, est_ms, 'bytes'} end
+local size = #ARGV[3]
+if size > 0 and size + tonumber(redis.call('GET', K.queued_bytes(o.class)) or '0') > o.max_bytes then
+  return {'queue_full', '', depth, est_ms, 'bytes'}
+end
 if o.max_in_flight > 0 and redis.call('ZCARD', K.tenant_tasks(o.tenant)) >= o.max_in_flight then
   return {'over_quota', '', depth, est_ms, ''}
 end
@@ -48,7 +49,7 @@ redis.call('HSET', K.job(o.id), 'data', ARGV[2], 'origin', o.class, 'status', 'q
   'timeout', math.ceil(o.timeout), 'timeout_s', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
   'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0',
   'quota', o.max_in_flight > 0 and '1' or '0', 'bytes', size)
-redis.call('INCRBY', K.queued_bytes(o.class), size)
+if size > 0 then redis.call('INCRBY', K.queued_bytes(o.class), size) end
 redis.call('RPUSH', K.queue(o.class), o.id)
 if ARGV[3] ~= '' then redis.call('SET', K.file(o.id), ARGV[3]) end
 if o.max_in_flight > 0 then redis.call('ZADD', K.tenant_tasks(o.tenant), now, o.id) end
