@@ -155,3 +155,13 @@ def test_upload_bytes_released_when_a_worker_ends_the_task(
     assert record["error"]["code"] == "invalid_document"
     assert r.get(keys.queued_bytes("batch")) == b"0"
     assert r.hget(keys.job(task.json()["id"]), "bytes") == b"0"
+
+
+def test_deep_result_reads_back(http: httpx.Client, r: redis.Redis, known_types: None) -> None:
+    """A handler may return deeper JSON than a client may send: still readable."""
+    task_id = http.post("/tasks", json={"type": "echo"}).json()["id"]
+    deep = "[" * 900 + "]" * 900
+    r.hset(keys.job(task_id), mapping={"status": "finished", "result": deep})
+    response = http.get(f"/tasks/{task_id}")
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["result"] is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dispatcher.api import admission
@@ -192,15 +192,22 @@ def _not_found(task_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
 
 
-@router.get("/tasks/{task_id}", tags=["tasks"], responses=error_responses(401, 404, 429, 503))
-async def get_task(task_id: str, request: Request, response: Response) -> dict[str, Any]:
+@router.get(
+    "/tasks/{task_id}",
+    tags=["tasks"],
+    responses={200: _RECORD, **error_responses(401, 404, 429, 503)},
+    response_model=None,
+)
+async def get_task(task_id: str, request: Request) -> JSONResponse:
     """The task record: status, position, progress, result or error, timings."""
     svc = services(request)
-    principal = await caller(request, response)
+    principal = await caller(request)
     record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
     if record is None:
         raise _not_found(task_id)
-    return record
+    # Encoded as it is (not walked by FastAPI's encoder, which recursed out on a deep
+    # result): a task's result may nest deeper than a request may.
+    return JSONResponse(record, headers=extra_headers(request))
 
 
 @router.delete("/tasks/{task_id}", tags=["tasks"], responses=_CANCEL_RESPONSES, response_model=None)
