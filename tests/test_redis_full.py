@@ -57,6 +57,12 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
     keyed = api_factory(make_settings(private_redis.url, tenants=[tenant]))
     worker = start_worker("full-w", classes="interactive", redis_url_override=private_redis.url)
     with httpx.Client(base_url=api.url, timeout=10) as http:
+        # A task that ends while Redis is full: its report must wait, not be lost.
+        slow = http.post(
+            "/tasks", json={"type": "sleep", "class": "interactive", "args": {"seconds": 1}}
+        )
+        assert slow.status_code == 202
+        wait_status(http, slow.json()["id"], {"running"})
         used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", used + 2_000_000)
         accepted, refused = _fill(http)
@@ -73,7 +79,7 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
 
         # Nothing half-written: exactly the accepted tasks exist and are queued.
         assert client.llen(keys.queue("batch")) == len(accepted)
-        assert len(list(client.scan_iter(keys.job("*")))) == len(accepted)
+        assert len(list(client.scan_iter(keys.job("*")))) == len(accepted) + 1  # + slow
         held = int(client.get(keys.queued_bytes("batch")) or 0)
         assert held == len(accepted) * FILE_BYTES
 
@@ -98,12 +104,27 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
         assert cancel.status_code == 503
         assert http.get(f"/tasks/{accepted[0]}").json()["status"] == "queued"
 
-        # The idle worker tries to claim (every 5 s), is refused, stays up, says why,
-        # and keeps its lease (1 s) meanwhile.
+        # The worker's report is refused; then, idle, its claims are (it tries every
+        # 5 s). It stays up, says why, and keeps its lease (1 s) meanwhile.
         wait_for(
-            lambda: "full" in ((_worker(http, "full-w") or {}).get("reason") or ""),
+            lambda: "holding" in ((_worker(http, "full-w") or {}).get("reason") or ""),
+            10,
+            what="the worker to say it holds an outcome",
+        )
+        assert http.get(f"/tasks/{slow.json()['id']}").json()["status"] == "running"
+        assert worker.alive(), worker.output()
+
+        # Memory frees: the held outcome is reported.
+        client.config_set("maxmemory", 0)
+        wait_status(http, slow.json()["id"], {"succeeded"}, 15)
+
+        # Full again with the worker idle: its claims are refused (it looks every 5 s);
+        # it stays up and says so, with its lease kept (1 s).
+        client.config_set("maxmemory", over)
+        wait_for(
+            lambda: "takes no task" in ((_worker(http, "full-w") or {}).get("reason") or ""),
             20,
-            what="the worker to say redis is full",
+            what="the idle worker to say redis is full",
         )
         assert worker.alive(), worker.output()
 
@@ -114,6 +135,7 @@ def test_full_redis_refuses_writes_serves_reads_and_recovers(
         assert task.status_code == 202, task.text
         done = wait_status(http, task.json()["id"], {"succeeded", "failed"}, 20)
         assert done["status"] == "succeeded"
+        assert http.get(f"/tasks/{slow.json()['id']}").json()["status"] == "succeeded"
         wait_for(
             lambda: (_worker(http, "full-w") or {"reason": "gone"}).get("reason") is None,
             5,

@@ -29,10 +29,14 @@ log = logging.getLogger("gpulane.worker")
 
 PARK_POLL_S = 1.0  # how often a parked worker looks up to check for a stop request
 RECHECK_S = 5.0  # a parked worker looks at the queues anyway this often (lost doorbells)
-FULL_REASON = "redis is full (maxmemory): takes no task until it has room"
-READ_ONLY_REASON = "redis is read-only (a replica?): takes no task until it can write"
 # Redis refused a write whole (script flags) and will take it later: not a script bug.
 _REFUSED_FOR_NOW = (OutOfMemoryError, ReadOnlyError)
+
+
+def _why(exc: RedisError) -> str:
+    if isinstance(exc, OutOfMemoryError):
+        return "redis is full (maxmemory)"
+    return "redis is read-only (a replica?)"
 
 
 class WorkerLoop:
@@ -61,8 +65,7 @@ class WorkerLoop:
             except _REFUSED_FOR_NOW as exc:
                 # Refused whole before it ran (script flags): nothing moved. Wait for
                 # room, saying why in GET /workers; the heartbeat keeps the lease.
-                full = isinstance(exc, OutOfMemoryError)
-                self.state.set("idle", FULL_REASON if full else READ_ONLY_REASON)
+                self.state.set("idle", f"{_why(exc)}; takes no task until it can write")
                 self._wait_out(exc)
                 continue
             except ResponseError:
@@ -157,6 +160,7 @@ class WorkerLoop:
             except _REFUSED_FOR_NOW as exc:
                 # Redis full or read-only: the report was refused whole; keep the
                 # outcome and retry (the heartbeat keeps the lease meanwhile).
+                self.state.set("busy", f"{_why(exc)}; holding a task's outcome")
                 self._wait_out(exc)
                 continue
             except ResponseError:
