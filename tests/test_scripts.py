@@ -150,3 +150,14 @@ def test_grace_after_an_outage_covers_every_lease(r: redis.Redis) -> None:
     r.set(keys.REAPER_LAST, 1)
     assert s.run("reap", reap_options(SETTINGS)) == []
     assert min(score for _, score in r.zrange(keys.WORKERS, 0, -1, withscores=True)) > 0
+
+
+def test_every_script_declares_its_flags() -> None:
+    """Redis decides before a script runs whether it may run while full (design §6)."""
+    from dispatcher.contract.scripts import FLAGS, NAMES, source
+
+    assert set(FLAGS) <= set(NAMES)
+    for name in NAMES:
+        first = source(name).splitlines()[0]
+        assert first == (f"#!lua flags={FLAGS[name]}" if name in FLAGS else "#!lua"), name
+    assert FLAGS["get"] == "no-writes"
