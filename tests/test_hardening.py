@@ -165,3 +165,14 @@ def test_deep_result_reads_back(http: httpx.Client, r: redis.Redis, known_types:
     response = http.get(f"/tasks/{task_id}")
     assert response.status_code == 200, response.text[:300]
     assert response.json()["result"] is not None
+
+
+def test_a_script_error_is_a_logged_503_not_a_500(
+    http: httpx.Client, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    r.set(keys.job("wrongtype"), "not a hash")  # get.lua's HMGET fails: WRONGTYPE
+    response = http.get("/tasks/wrongtype")
+    assert response.status_code == 503
+    assert response.json()["error"] == "store_unavailable"
+    assert "Retry-After" in response.headers
+    assert [rec for rec in caplog.records if rec.exc_info and "a bug" in rec.getMessage()]
