@@ -246,6 +246,7 @@ async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | Non
     if upload.size is not None and upload.size > limit:
         raise _too_large(limit, "file")
     data = await upload.read()
+    await upload.close()  # our parser's spooled file (request.form() would close it)
     if len(data) > limit:
         raise _too_large(limit, "file")
     if not data:
