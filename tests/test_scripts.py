@@ -239,3 +239,14 @@ def test_no_batch_grows_while_a_higher_class_waits(r: redis.Redis) -> None:
     r.lrem(keys.queue("interactive"), 0, urgent)
     reply = _claim_batch(s, {}, **more)
     assert reply[0] == 0 and [t[0].decode() for t in reply[1:]] == [second]
+
+
+def test_every_script_declares_its_flags() -> None:
+    """Redis decides before a script runs whether it may run while full (design §6)."""
+    from dispatcher.contract.scripts import FLAGS, NAMES, source
+
+    assert set(FLAGS) <= set(NAMES)
+    for name in NAMES:
+        first = source(name).splitlines()[0]
+        assert first == (f"#!lua flags={FLAGS[name]}" if name in FLAGS else "#!lua"), name
+    assert FLAGS["get"] == "no-writes"

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.metrics import Recorder
@@ -115,8 +115,12 @@ class Heartbeat:
         """One report. ``relist``: the worker was just unregistered on purpose."""
         if self.watch is not None:
             self.state.device_sample = self.watch.latest()
-        # The reaper first: what it records leaves with this beat's metrics.
-        record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
+        # The reaper first: what it records leaves with this beat's metrics. Redis full
+        # refuses it whole (it may write); the lease renewal below is allowed anyway.
+        try:
+            record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
+        except OutOfMemoryError:
+            log.warning("redis is full (maxmemory): reaper pass skipped")
         drained = self.recorder.drain()
         try:
             renewed, cancels = self.broker.heartbeat(

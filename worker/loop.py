@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.jobs import PUBLIC_STATUS
@@ -31,6 +31,14 @@ log = logging.getLogger("gpulane.worker")
 
 PARK_POLL_S = 1.0  # how often a parked worker looks up to check for a stop request
 RECHECK_S = 5.0  # a parked worker looks at the queues anyway this often (lost doorbells)
+# Redis refused a write whole (script flags) and will take it later: not a script bug.
+_REFUSED_FOR_NOW = (OutOfMemoryError, ReadOnlyError)
+
+
+def _why(exc: RedisError) -> str:
+    if isinstance(exc, OutOfMemoryError):
+        return "redis is full (maxmemory)"
+    return "redis is read-only (a replica?)"
 
 
 class WorkerLoop:
@@ -61,6 +69,12 @@ class WorkerLoop:
                 claims = self.broker.claim(
                     was_idle, self._device, self._redeliver, self._batch_sizes
                 )
+            except _REFUSED_FOR_NOW as exc:
+                # Refused whole before it ran (script flags): nothing moved. Wait for
+                # room, saying why in GET /workers; the heartbeat keeps the lease.
+                self.state.set("idle", f"{_why(exc)}; takes no task until it can write")
+                self._wait_out(exc)
+                continue
             except ResponseError:
                 raise  # a script error, not an outage: retrying would loop forever
             except RedisError as exc:
@@ -139,7 +153,7 @@ class WorkerLoop:
     def _wait_out(self, exc: RedisError) -> None:
         delay = self._backoff.next()
         if self._backoff.failures == 1:
-            log.warning("redis unreachable, retrying: %s", exc, extra={"worker": self.broker.name})
+            log.warning("redis unavailable, retrying: %s", exc, extra={"worker": self.broker.name})
         time.sleep(delay)
 
     def _execute(self, claimed: Claimed) -> None:
@@ -212,6 +226,12 @@ class WorkerLoop:
                     outcome.error,
                     ctx.latest_progress if ctx else None,
                 )
+            except _REFUSED_FOR_NOW as exc:
+                # Redis full or read-only: the report was refused whole; keep the
+                # outcome and retry (the heartbeat keeps the lease meanwhile).
+                self.state.set("busy", f"{_why(exc)}; holding a task's outcome")
+                self._wait_out(exc)
+                continue
             except ResponseError:
                 # A script error, not an outage: retrying would never end. Leave; the
                 # lease hands the task to another worker, within its attempt budget.

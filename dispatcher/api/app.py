@@ -17,12 +17,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from dispatcher.api.auth import Authenticator
-from dispatcher.api.catalog import Catalog
+from dispatcher.api.catalog import Catalog, TaskTypeInfo
 from dispatcher.api.deps import Services
 from dispatcher.api.errors import install_error_handlers
+from dispatcher.api.openapi import install_openapi
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
 from dispatcher.api.routes import events, observe, openai, pool, tasks
@@ -58,12 +59,22 @@ async def _flush_metrics(client: Redis, recorder: Recorder) -> None:
 
 
 async def _maintain_once(svc: Services, catalog_due: bool) -> None:
-    reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
-    record_reaped(reaped, svc.recorder, "gave back a dead worker's task")
+    """One pass. Redis full (maxmemory) refuses the writes (reap, metrics flush) whole;
+    the reads go on, so /queues, /workers and admission stay current, and the writes
+    resume by themselves once memory frees (the reaper then extends every lease once,
+    invariant 9; the metrics were kept)."""
+    try:
+        reaped = parse_reaped(await svc.store.scripts.run("reap", reap_options(svc.settings)))
+        record_reaped(reaped, svc.recorder, "gave back a dead worker's task")
+    except OutOfMemoryError:
+        log.warning("redis is full (maxmemory): reaper pass skipped")
     await svc.pool.snapshot()
     if catalog_due:
         await svc.catalog.refresh()
-    await _flush_metrics(svc.client, svc.recorder)
+    try:
+        await _flush_metrics(svc.client, svc.recorder)
+    except OutOfMemoryError:
+        log.warning("redis is full (maxmemory): metrics kept until it has room")
 
 
 async def _maintain(svc: Services) -> None:
@@ -161,7 +172,13 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (tasks, events, pool, observe, openai):
         app.include_router(module.router)
+    install_openapi(app, settings, lambda: _catalog_types(app))
     return app
+
+
+def _catalog_types(app: FastAPI) -> dict[str, TaskTypeInfo]:
+    svc: Services | None = getattr(app.state, "services", None)
+    return svc.catalog.types if svc is not None else {}
 
 
 def app_from_environment() -> FastAPI:

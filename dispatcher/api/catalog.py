@@ -139,6 +139,11 @@ class Catalog:
         self._types = {name: info for name, info in parsed.items() if info is not None}
         self._raw = raw
 
+    @property
+    def types(self) -> dict[str, TaskTypeInfo]:
+        """The types known now (as last read), by name."""
+        return self._types
+
     async def lookup(self, name: str) -> TaskTypeInfo | None:
         """A cache miss reads that one entry: a worker that registered a moment ago is
         seen at once, and a junk name costs one HGET, never a full re-read."""

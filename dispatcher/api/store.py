@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,14 @@ from dispatcher.contract.scripts import CancelVerdict, SubmitVerdict, options
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import ClassConfig, Settings
 
-__all__ = ["CancelResult", "Submission", "SubmitResult", "TaskStore", "submit_options"]
+__all__ = [
+    "CancelResult",
+    "Submission",
+    "SubmitResult",
+    "TaskStore",
+    "fingerprint",
+    "submit_options",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class SubmitResult:
     status: str = "queued"  # public status (for a duplicate: the original's)
     cls: str = ""
     task_type: str = ""
+    limit: str = ""  # queue_full: the limit reached, 'depth', 'wait' or 'bytes'
 
 
 @dataclass(frozen=True)
@@ -57,13 +66,29 @@ class CancelResult:
     task_type: str = ""
 
 
+def fingerprint(sub: Submission) -> str:
+    """sha256 of the canonical request (type, class, args, timeout, the file's bytes):
+    an Idempotency-Key replays only the request it was first sent with."""
+    canonical = {
+        "type": sub.task_type,
+        "class": sub.cls,
+        "args": sub.args,
+        "timeout_s": sub.timeout_s,
+        "file": hashlib.sha256(sub.file_data).hexdigest() if sub.file is not None else None,
+        "file_name": sub.file.name if sub.file is not None else None,
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def submit_options(
     sub: Submission, cfg: ClassConfig, workers: int, run_s: float, settings: Settings
 ) -> str:
     """submit.lua's options: the task, its class's limits and the pool's state."""
-    digest = ""
+    digest = fp = ""
     if sub.idempotency_key is not None:
         digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
+        fp = fingerprint(sub)
     return options(
         id=str(uuid.uuid4()),
         type=sub.task_type,
@@ -71,11 +96,13 @@ def submit_options(
         timeout=sub.timeout_s,
         ttl_s=settings.result_ttl_s,
         max_queued=cfg.max_queued,
+        max_bytes=cfg.max_queued_bytes,
         max_wait_s=cfg.max_wait_s,
         reject_without_workers=cfg.reject_without_workers,
         workers=workers,
         run_s=run_s,
         idem=digest,
+        fingerprint=fp,
         idem_ttl_s=settings.idempotency_ttl_s,
         max_in_flight=sub.max_in_flight,
         classes=settings.class_names,
@@ -103,10 +130,15 @@ class TaskStore:
             return SubmitResult(
                 verdict, task_id, -1, None, PUBLIC_STATUS.get(status, status), cls, task_type
             )
+        if verdict == "idempotency_key_reused":
+            return SubmitResult(verdict, _text(reply[1]), -1, None)
         depth = int(reply[2]) + (verdict == "accepted")
         est_ms = int(reply[3])
         est = est_ms / 1000 if est_ms >= 0 else None
-        return SubmitResult(verdict, _text(reply[1]), depth, est, "queued", sub.cls, sub.task_type)
+        limit = _text(reply[4]) if len(reply) > 4 else ""
+        return SubmitResult(
+            verdict, _text(reply[1]), depth, est, "queued", sub.cls, sub.task_type, limit
+        )
 
     async def get(self, task_id: str, tenant: str | None) -> dict[str, Any] | None:
         """The public record, or None when absent or owned by another tenant."""

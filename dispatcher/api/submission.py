@@ -14,8 +14,9 @@ import json
 import math
 from typing import Any
 
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.types import Message, Receive
 
@@ -29,6 +30,7 @@ from dispatcher.contract.settings import Settings
 __all__ = ["limited_body", "parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s"}
+_MAX_DEPTH = 32  # nesting of arrays and objects in a request
 _MAX_NAME = 64
 _MAX_IDEMPOTENCY_KEY = 255
 _MAX_FILENAME = 255
@@ -75,10 +77,44 @@ def _invalid(message: str, **extra: Any) -> ApiError:
     return ApiError(422, "invalid_request", message, **extra)
 
 
+class _NonFinite:
+    """What ``NaN``, ``Infinity`` and ``-Infinity`` parse to: refused by :func:`_check`
+    (they are not JSON, and a task or a record could not carry them)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _loads(text: str | bytes) -> Any:
+    return json.loads(text, parse_constant=_NonFinite)
+
+
+def _check(value: Any, where: str = "body", depth: int = 0) -> None:
+    """Refuse (422) what cannot round-trip through Redis, the worker and the record:
+    nesting past ``_MAX_DEPTH``, NaN or infinities, strings (keys included) that are
+    not valid Unicode (lone surrogates)."""
+    if depth > _MAX_DEPTH:
+        raise _invalid(f"The request nests deeper than {_MAX_DEPTH} levels ({where}).")
+    if isinstance(value, _NonFinite):
+        raise _invalid(f"{value.text} is not a JSON number ({where}).")
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise _invalid(f"A string is not valid Unicode (a lone surrogate?) ({where}).") from exc
+    elif isinstance(value, list):
+        for item in value:
+            _check(item, where, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check(key, where, depth + 1)
+            _check(item, f"{where}.{key}"[:80] if depth == 0 else where, depth + 1)
+
+
 async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     body = await _limited(request, settings.max_body_bytes, "request body").body()
     try:
-        fields = json.loads(body)
+        fields = _loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
     if not isinstance(fields, dict):
@@ -89,12 +125,31 @@ async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     return fields
 
 
+class _FormParser(MultiPartParser):
+    """Starlette's parser, except that a ``file`` part sent without a file name is
+    still a file (its bytes, not text decoded as UTF-8 or latin-1)."""
+
+    def on_headers_finished(self) -> None:
+        part = self._current_part
+        _, options = parse_options_header(part.content_disposition)
+        if options.get(b"name") == b"file" and b"filename" not in options:
+            part.content_disposition = (part.content_disposition or b"") + b'; filename=""'
+        super().on_headers_finished()
+
+
 async def _form_fields(
     request: Request, settings: Settings
 ) -> tuple[dict[str, Any], UploadFile | None]:
     limited = _limited(request, settings.max_file_bytes + settings.max_body_bytes, "upload")
     try:
-        form = await limited.form(max_files=1, max_fields=8, max_part_size=settings.max_body_bytes)
+        parser = _FormParser(
+            limited.headers,
+            limited.stream(),
+            max_files=1,
+            max_fields=8,
+            max_part_size=settings.max_body_bytes,
+        )
+        form = await parser.parse()
     except MultiPartException as exc:
         raise ApiError(400, "invalid_request", f"Malformed multipart body: {exc.message}") from exc
     fields: dict[str, Any] = {}
@@ -110,7 +165,7 @@ async def _form_fields(
             )
     if "args" in fields:
         try:
-            fields["args"] = json.loads(fields["args"])
+            fields["args"] = _loads(fields["args"])
         except (ValueError, RecursionError) as exc:
             raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
     if "timeout_s" in fields:
@@ -122,7 +177,9 @@ async def _form_fields(
 
 
 def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
-    value = fields.get(key, default)
+    value = fields.get(key)
+    if value is None:  # absent or null: the default
+        value = default
     if value is None:
         raise _invalid(f"The '{key}' field is required.")
     if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
@@ -136,9 +193,10 @@ def _timeout(fields: dict[str, Any], default_s: float, max_s: float) -> float:
     value = fields.get("timeout_s")
     if value is None:
         return default_s
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise _invalid("'timeout_s' must be a number of seconds.")
-    if not 0 < value <= max_s:
+    # An int is compared as it is: math.isfinite() or float() overflow on a huge one.
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 < value <= max_s:
         raise _invalid(f"'timeout_s' must be more than 0 and at most {max_s:g}.")
     return float(value)
 
@@ -193,8 +251,11 @@ async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | Non
     if upload.size is not None and upload.size > limit:
         raise _too_large(limit, "file")
     data = await upload.read()
+    await upload.close()  # our parser's spooled file (request.form() would close it)
     if len(data) > limit:
         raise _too_large(limit, "file")
+    if not data:
+        raise _invalid("The file is empty.")
     name = (upload.filename or "upload")[:_MAX_FILENAME]
     return FileMeta(name, upload.content_type or "application/octet-stream", len(data)), data
 
@@ -211,6 +272,7 @@ async def parse_submission(
 ) -> Submission:
     """Read and validate a submission; raise :class:`ApiError` with a clear message."""
     fields, upload = await _read(request, settings)
+    _check(fields)
     cls = _class(fields, principal, settings)
     task_type = await _task_type(fields, upload, settings, catalog)
     meta, data = await _upload(upload, settings.max_file_bytes)

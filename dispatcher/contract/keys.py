@@ -36,6 +36,9 @@ gpulane's keys::
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
+    gpulane:bytes:<class>            STRING upload bytes held by the class's unfinished
+                                            tasks, for max_queued_bytes: INCRBY in
+                                            submit.lua, DECRBY when a task ends
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
@@ -83,6 +86,7 @@ __all__ = [
     "job",
     "lua_prelude",
     "queue",
+    "queued_bytes",
     "rate",
     "rq_execution",
     "rq_worker",
@@ -122,6 +126,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "wake": (_P + "wake:", ("name",), ""),
     "control": (_P + "control:", ("name",), ""),
     "stats": (_P + "stats:", ("cls",), ""),
+    "queued_bytes": (_P + "bytes:", ("cls",), ""),
     "idem": (_P + "idem:", ("tenant", "digest"), ""),
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
@@ -184,6 +189,10 @@ def control(name: str) -> str:
 
 def stats(cls: str) -> str:
     return _build("stats", cls)
+
+
+def queued_bytes(cls: str) -> str:
+    return _build("queued_bytes", cls)
 
 
 def idem(tenant: str, digest: str) -> str:

@@ -3,6 +3,10 @@
 Log calls pass context as ``extra`` (``worker``, ``task``, ``class``, ``type``,
 ``elapsed_s``...); both formats print it, so one line per task transition carries the
 task id, class, type, worker and elapsed time.
+
+Identical warnings and errors (same logger, level and text) are let through once per
+``REPEAT_WINDOW_S``; the next one through carries ``repeated=<n>``, the number held
+back meanwhile. A Redis outage or a flood of bad clients is a few lines, not thousands.
 """
 
 from __future__ import annotations
@@ -10,10 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["configure_logging"]
+__all__ = ["REPEAT_WINDOW_S", "RepeatFilter", "configure_logging"]
+
+REPEAT_WINDOW_S = 30.0
 
 # Attributes every LogRecord has; anything else on a record came from `extra`.
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {
@@ -54,9 +61,37 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class RepeatFilter(logging.Filter):
+    """Rate-limits identical warnings and errors (module docstring)."""
+
+    _MAX_KEYS = 1000  # distinct messages remembered; forgotten all at once past it
+
+    def __init__(self, window_s: float = REPEAT_WINDOW_S) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._seen: dict[tuple[str, int, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.levelno, record.getMessage()[:300])
+        now = time.monotonic()
+        first, held = self._seen.get(key, (-self.window_s, 0))
+        if now - first < self.window_s:
+            self._seen[key] = (first, held + 1)
+            return False
+        if len(self._seen) >= self._MAX_KEYS:
+            self._seen.clear()
+        self._seen[key] = (now, 0)
+        if held:
+            record.repeated = held
+        return True
+
+
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -7,6 +7,14 @@ itself after ``NOSCRIPT`` (a restarted or flushed Redis).
 
 Options travel as one JSON object in ``ARGV[1]`` (readable Lua, no positional soup);
 binary payloads (call data, files, results) follow as raw arguments.
+
+Every script declares its flags (a ``#!lua`` first line, :data:`FLAGS`), so a Redis
+at ``maxmemory`` (``noeviction``) decides before a script runs: a script that may
+write is refused whole (``OOM``), never half-done; ``no-writes`` scripts (reads) run
+on; ``allow-oom`` scripts run anyway. Those are only the ones whose writes are small
+and bounded by the pool's size, not by the traffic: the lease (heartbeat, GPU claim)
+and the tenant's rate-limit bucket, so a full Redis does not turn live workers into
+dead ones or lock every tenant out of the read routes.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from redis.commands.core import Script
 from dispatcher.contract import keys
 
 __all__ = [
+    "FLAGS",
     "NAMES",
     "CancelVerdict",
     "FinishVerdict",
@@ -35,7 +44,9 @@ __all__ = [
 ]
 
 # What the scripts answer (the first element of their reply), one type per script.
-SubmitVerdict = Literal["accepted", "duplicate", "queue_full", "no_workers", "over_quota"]
+SubmitVerdict = Literal[
+    "accepted", "duplicate", "idempotency_key_reused", "queue_full", "no_workers", "over_quota"
+]
 CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "not_found"]
 # ``duplicate``: already final (another worker or a cancel reported it); ``gone``: no
 # such task any more.
@@ -64,13 +75,25 @@ NAMES = (
 )
 
 
+# Script flags (Redis 7 shebang); a script not named here may write and is refused
+# before it runs while Redis is over maxmemory.
+FLAGS = {
+    "get": "no-writes",
+    "heartbeat": "allow-oom",
+    "gpu_lease": "allow-oom",
+    "ratelimit": "allow-oom",
+}
+
+
 @cache
 def source(name: str) -> str:
-    """Full text of script ``name`` as sent to Redis."""
+    """Full text of script ``name`` as sent to Redis (its flags on the first line)."""
     lua = resources.files("dispatcher.contract") / "lua"
     prelude = (lua / "_prelude.lua").read_text()
     body = (lua / f"{name}.lua").read_text()
-    return f"-- gpulane:{name}\n{keys.lua_prelude()}{prelude}\n{body}"
+    flags = FLAGS.get(name)
+    shebang = f"#!lua flags={flags}" if flags else "#!lua"
+    return f"{shebang}\n-- gpulane:{name}\n{keys.lua_prelude()}{prelude}\n{body}"
 
 
 def verdict(value: bytes | str, allowed: Any) -> Any:

@@ -59,6 +59,12 @@ class ClassConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_queued: int = Field(1000, ge=1, description="Refuse (503 queue_full) past this depth.")
+    max_queued_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        description="Refuse (503 queue_full) an upload that would bring the uploads held "
+        "by the class's unfinished tasks (they live in Redis) over this many bytes.",
+    )
     max_wait_s: float = Field(
         3600.0, gt=0, description="Refuse when the estimated wait of a new task exceeds this."
     )

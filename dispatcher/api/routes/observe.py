@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from redis.exceptions import RedisError
 
 from dispatcher.api.deps import caller, services
-from dispatcher.api.errors import STORE_RETRY_AFTER_S, ApiError, error_body
+from dispatcher.api.errors import STORE_RETRY_AFTER_S, ApiError, error_body, error_responses
 from dispatcher.api.exporter import pool_families, read_recorded, redis_families, render
 from dispatcher.api.stats import LatencyWindow, class_stats, latency_by_class
 from dispatcher.contract.workers import NOT_SERVING
@@ -77,7 +77,10 @@ def _asset(name: str, request: Request) -> Response:
     "/metrics",
     summary="Prometheus metrics of the whole pool",
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}},
+    responses={
+        200: {"content": {"text/plain": {}}, "description": "Prometheus text"},
+        **error_responses(401, 404, 429, 503),
+    },
 )
 async def metrics(request: Request) -> Response:
     """Counters, gauges and histograms named in docs/design.md, aggregated over the whole
@@ -107,7 +110,11 @@ def _window(request: Request) -> LatencyWindow:
     return window
 
 
-@router.get("/stats", summary="Per-class task counts and latency percentiles (JSON)")
+@router.get(
+    "/stats",
+    summary="Per-class task counts and latency percentiles (JSON)",
+    responses=error_responses(401, 429, 503),
+)
 async def stats(request: Request) -> dict[str, Any]:
     """What the dashboard shows beside `/queues` and `/workers`, one entry per class in
     priority order (only the classes the key may use):
@@ -161,12 +168,24 @@ async def static_file(name: str, request: Request) -> Response:
     return _asset(name, request)
 
 
-@router.get("/health", tags=["pool"])
+HEALTH_RESPONSES = error_responses(503)
+FULL_MEMORY_S = 10.0  # /health says "full" this long after Redis refused a write for memory
+
+
+async def _memory(svc: Any) -> dict[str, int | None]:
+    """Redis' memory use (INFO memory: one call, and the liveness check too)."""
+    info = await svc.client.info("memory")
+    limit = int(info.get("maxmemory", 0))
+    return {"used_bytes": int(info.get("used_memory", 0)), "max_bytes": limit or None}
+
+
+@router.get("/health", tags=["pool"], responses=HEALTH_RESPONSES)
 async def health(request: Request, response: Response) -> dict[str, Any]:
-    """200 while Redis answers, else 503."""
+    """200 while Redis answers (`status` `degraded`, `redis` `full` while it is at
+    `maxmemory`: reads work, submits are refused), else 503."""
     svc = services(request)
     try:
-        await svc.client.ping()
+        memory = await _memory(svc)
     except RedisError:
         response.status_code = 503
         response.headers["Retry-After"] = str(STORE_RETRY_AFTER_S)
@@ -176,11 +195,18 @@ async def health(request: Request, response: Response) -> dict[str, Any]:
             "workers": None,
             **error_body("store_unavailable", "The task store (Redis) is unreachable."),
         }
+    limit = memory["max_bytes"]
+    refused_at = getattr(request.app.state, "redis_full_at", None)
+    full = limit is not None and (
+        (memory["used_bytes"] or 0) >= limit
+        or (refused_at is not None and time.monotonic() - refused_at < FULL_MEMORY_S)
+    )
     snap = svc.pool.latest
     workers = snap.workers if snap else []
     return {
-        "status": "ok",
-        "redis": "ok",
+        "status": "degraded" if full else "ok",
+        "redis": "full" if full else "ok",
+        "memory": memory,
         "workers": len(workers),
         # Live workers able to take a task now (not starting, waiting for a GPU or
         # unhealthy): what a readiness check wants.

@@ -21,10 +21,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 
 from dispatcher.api.auth import Principal
 from dispatcher.api.deps import Services, caller, extra_headers, services
-from dispatcher.api.errors import ApiError
+from dispatcher.api.errors import ApiError, store_error
 from dispatcher.api.store import Submission
 from dispatcher.api.submission import limited_body
 from dispatcher.api.waiters import unless_disconnected
@@ -83,6 +84,8 @@ async def list_models(request: Request) -> JSONResponse:
         models = await _models(svc)
     except ApiError as exc:
         return _openai_error(exc, request)
+    except RedisError as exc:
+        return _openai_error(store_error(exc), request)
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": "gpulane"}
         for model in sorted(models)
@@ -197,6 +200,8 @@ async def embeddings(request: Request) -> JSONResponse:
         return await _embeddings(request)
     except ApiError as exc:
         return _openai_error(exc, request)
+    except RedisError as exc:  # the same 503 as every route, in OpenAI's body
+        return _openai_error(store_error(exc), request)
 
 
 async def _embeddings(request: Request) -> JSONResponse:

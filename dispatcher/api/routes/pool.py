@@ -8,14 +8,14 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from dispatcher.api.deps import caller, services
-from dispatcher.api.errors import ApiError
+from dispatcher.api.errors import ApiError, error_responses
 
 __all__ = ["router"]
 
 router = APIRouter()
 
 
-@router.get("/queues", tags=["pool"])
+@router.get("/queues", tags=["pool"], responses=error_responses(401, 429, 503))
 async def queues(request: Request, response: Response) -> dict[str, Any]:
     """Each class in priority order: depth, running, workers, waits and pressure."""
     svc = services(request)
@@ -28,7 +28,7 @@ async def queues(request: Request, response: Response) -> dict[str, Any]:
     }
 
 
-@router.get("/workers", tags=["pool"])
+@router.get("/workers", tags=["pool"], responses=error_responses(401, 404, 429, 503))
 async def workers(request: Request, response: Response) -> dict[str, Any]:
     """Live workers with device, state and current task (admin keys only, when keys are set)."""
     svc = services(request)

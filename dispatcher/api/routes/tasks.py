@@ -11,12 +11,12 @@ import math
 import re
 from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from dispatcher.api import admission
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
-from dispatcher.api.errors import ApiError
+from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
 from dispatcher.api.store import Submission, SubmitResult
 from dispatcher.api.submission import parse_submission
@@ -95,6 +95,40 @@ def query_wait(raw: str | None, max_s: float) -> float:
     return min(seconds, max_s)
 
 
+_ACCEPTED = {
+    "type": "object",
+    "required": ["id", "status", "type", "class", "position", "estimated_wait_s"],
+    "properties": {
+        "id": {"type": "string"},
+        "status": {"type": "string"},
+        "type": {"type": "string"},
+        "class": {"type": "string"},
+        "position": {"type": ["integer", "null"]},
+        "estimated_wait_s": {"type": ["number", "null"]},
+    },
+}
+_SUBMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    202: {
+        "description": "Accepted and queued.",
+        "content": {"application/json": {"schema": _ACCEPTED}},
+    },
+    200: {
+        "description": "Idempotent replay of an earlier identical request.",
+        "content": {"application/json": {"schema": _ACCEPTED}},
+    },
+    **error_responses(400, 401, 413, 422, 429, 503),
+}
+_RECORD = {
+    "description": "The task record.",
+    "content": {"application/json": {"schema": {"type": "object"}}},
+}
+_CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {**_RECORD, "description": "Canceled (it was queued); the record."},
+    202: {**_RECORD, "description": "Cancel requested (it is running); the record."},
+    **error_responses(401, 404, 409, 429, 503),
+}
+
+
 def _backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:
     return {
         "Gpulane-Queue-Depth": str(depth),
@@ -125,6 +159,11 @@ def _refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErr
     }
     if result.verdict == "no_workers":
         message = f"No live worker serves class {state.name!r}; retry later."
+    elif result.limit == "bytes":
+        message = (
+            f"Class {state.name!r} is full: its unfinished tasks hold max_queued_bytes "
+            f"({state.config.max_queued_bytes} bytes of uploads); retry in {retry} s."
+        )
     else:
         message = f"Class {state.name!r} is full ({result.depth} queued); retry in {retry} s."
     return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry)
@@ -143,7 +182,14 @@ async def _submit(
     return result, state
 
 
-@router.post("/tasks", status_code=202, openapi_extra=_SUBMIT_BODY, tags=["tasks"])
+@router.post(
+    "/tasks",
+    status_code=202,
+    openapi_extra=_SUBMIT_BODY,
+    tags=["tasks"],
+    responses=_SUBMIT_RESPONSES,
+    response_model=None,
+)
 async def submit_task(request: Request) -> JSONResponse:
     """Submit a task (JSON, or multipart with a `file`). 202 with its id and queue position."""
     svc = services(request)
@@ -153,6 +199,13 @@ async def submit_task(request: Request) -> JSONResponse:
     sub = await parse_submission(request, principal, svc.settings, svc.catalog)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
     result, state = await _submit(svc, sub, snap)
+    if result.verdict == "idempotency_key_reused":
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            f"This Idempotency-Key was first used for another request (task {result.task_id}); "
+            "use a new key for a new request.",
+        )
     if result.verdict in ("queue_full", "no_workers", "over_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
         raise _refusal(result, state, sub)
@@ -224,17 +277,21 @@ _WAIT_DOC = (
 )
 
 
-@router.get("/tasks/{task_id}", tags=["tasks"])
+@router.get(
+    "/tasks/{task_id}",
+    tags=["tasks"],
+    responses={200: _RECORD, **error_responses(400, 401, 404, 429, 503)},
+    response_model=None,
+)
 async def get_task(
     task_id: str,
     request: Request,
-    response: Response,
     wait: str | None = Query(None, description=_WAIT_DOC),  # parsed here: 400, not 422
-) -> dict[str, Any]:
+) -> JSONResponse:
     """The task record: status, position, progress, result or error, timings. With
     `?wait=N`: as soon as the task is final, or as it is after N seconds."""
     svc = services(request)
-    principal = await caller(request, response)
+    principal = await caller(request)
     wait_s = query_wait(wait, svc.settings.wait_max_s)
     record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
     if record is None:
@@ -242,10 +299,12 @@ async def get_task(
     if wait_s > 0 and record["status"] not in FINAL:
         work = svc.waiters.until_final(task_id, principal.task_scope, wait_s)
         record = await unless_disconnected(request.receive, work) or record
-    return record
+    # Encoded as it is (not walked by FastAPI's encoder, which recursed out on a deep
+    # result): a task's result may nest deeper than a request may.
+    return JSONResponse(record, headers=extra_headers(request))
 
 
-@router.delete("/tasks/{task_id}", tags=["tasks"])
+@router.delete("/tasks/{task_id}", tags=["tasks"], responses=_CANCEL_RESPONSES, response_model=None)
 async def cancel_task(task_id: str, request: Request) -> JSONResponse:
     """Cancel: a queued task at once (200), a running one by its worker (202)."""
     svc = services(request)

@@ -47,15 +47,20 @@ local function wake(cls, classes)
   return w
 end
 
--- Write a final status once: the record expires after ttl, the upload goes at once,
--- and the task stops counting against its tenant's max_in_flight (when it counted:
--- `quota_tenant` is the tenant then, else false). `no_file`: the caller read
--- has_file ~= '1', so there is no upload to delete (one command less per task).
-local function finalize(id, status, now, ttl, extra, quota_tenant, no_file)
+-- Write a final status once: the record expires after ttl, the upload goes at once
+-- and its bytes (`bytes`, the job's field, counted in class `cls`) stop counting against
+-- max_queued_bytes, and the task stops counting against its tenant's max_in_flight
+-- (when it counted: `quota_tenant` is the tenant then, else false). Callers read
+-- `cls` and `bytes` with the fields they read anyway: a task without an upload costs
+-- no extra command (and no DEL: `bytes` 0 means it has none).
+local function finalize(id, status, now, ttl, extra, quota_tenant, cls, bytes)
   local jk = K.job(id)
-  redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, unpack(extra))
+  local n = tonumber(bytes)
+  if n == nil or n > 0 then redis.call('DEL', K.file(id)) end -- nil: not known, so look
+  if cls and n and n > 0 then redis.call('DECRBY', K.queued_bytes(cls), n) end
+  redis.call('HSET', jk, 'status', status, 'ended_at', iso(now), 'ended_ms', now, 'bytes', 0,
+    unpack(extra))
   redis.call('EXPIRE', jk, ttl)
-  if not no_file then redis.call('DEL', K.file(id)) end
   if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
   notify(id)
 end
@@ -85,7 +90,7 @@ end
 local function lose(id, cls, w, now, o, fault)
   local jk = K.job(id)
   local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel', 'tenant',
-    'quota', 'type')
+    'quota', 'type', 'bytes')
   local task_type = f[8] or '-'
   if not f[1] or FINAL[f[1]] then return 'gone', task_type end
   local quota = quota_of(f[6], f[7])
@@ -98,7 +103,7 @@ local function lose(id, cls, w, now, o, fault)
   if f[5] == '1' then
     finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
       cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})},
-      quota)
+      quota, cls, f[9])
     return 'canceled', task_type
   end
   if lost >= o.max_attempts then
@@ -110,7 +115,7 @@ local function lose(id, cls, w, now, o, fault)
         ' times; giving up. Last: ' .. fault.message
     end
     finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
-      cjson.encode(error)}, quota)
+      cjson.encode(error)}, quota, cls, f[9])
     return 'failed', task_type
   end
   requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)

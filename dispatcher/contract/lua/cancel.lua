@@ -6,13 +6,14 @@
 --       | {'not_found'}.
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
-local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota', 'type')
+local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota', 'type',
+  'bytes')
 if not f[1] or (o.any_tenant ~= true and f[2] ~= o.tenant) then return {'not_found'} end
 if FINAL[f[1]] then return {'conflict', f[1]} end
 if f[1] == 'queued' then
   redis.call('LREM', K.queue(f[3]), 0, o.id)
   finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
-    message = 'Canceled before it started.'})}, quota_of(f[2], f[5]))
+    message = 'Canceled before it started.'})}, quota_of(f[2], f[5]), f[3], f[7])
   return {'canceled', f[3] or '-', f[6] or '-'}
 end
 redis.call('HSET', jk, 'cancel', '1')

@@ -7,7 +7,7 @@
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local removed = redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id)
-local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'has_file')
+local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'origin', 'bytes')
 if not f[1] then return {'gone'} end
 if FINAL[f[1]] then return {'duplicate', f[1]} end
 if removed == 0 then
@@ -21,5 +21,5 @@ local extra = {}
 if ARGV[2] ~= '' then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end
 if o.error ~= '' then extra[#extra + 1] = 'error'; extra[#extra + 1] = o.error end
 if o.progress ~= '' then extra[#extra + 1] = 'progress'; extra[#extra + 1] = o.progress end
-finalize(o.id, o.status, now, o.ttl_s, extra, quota_of(f[3], f[4]), f[5] ~= '1')
+finalize(o.id, o.status, now, o.ttl_s, extra, quota_of(f[3], f[4]), f[5], f[6])
 return {'ok', now}

@@ -8,12 +8,12 @@
 -- 'failed' or 'canceled', or what it found.
 local o = cjson.decode(ARGV[1])
 if redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id) == 0 then return 'gone' end
-local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota')
+local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota', 'bytes')
 if f[1] ~= 'started' then return f[1] or 'gone' end
 if o.fault then return (lose(o.id, o.class, o.worker, now_ms(), o, o.fault)) end
 if f[2] == '1' then -- its client canceled it meanwhile: back in the queue it would run
   finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
-    message = 'Canceled while running.'})}, quota_of(f[3], f[4]))
+    message = 'Canceled while running.'})}, quota_of(f[3], f[4]), o.class, f[5])
   return 'canceled'
 end
 requeue(o.id, o.class, o.classes, {}, o.at_head)

@@ -1,0 +1,92 @@
+"""Logs an operator can read: a client that disconnects mid-upload is one short line,
+identical warnings are rate-limited."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import httpx
+import pytest
+
+from dispatcher.contract.logs import RepeatFilter, TextFormatter
+from testkit import ApiServer
+
+ABORTS = 50
+
+
+def _record(message: str, level: int = logging.WARNING) -> logging.LogRecord:
+    return logging.LogRecord("gpulane.api", level, __file__, 1, message, None, None)
+
+
+def test_identical_warnings_are_rate_limited() -> None:
+    repeats = RepeatFilter(window_s=60)
+    passed = [repeats.filter(_record("redis is full")) for _ in range(100)]
+    assert passed.count(True) == 1
+    assert repeats.filter(_record("another warning"))
+    assert all(repeats.filter(_record("task started", logging.INFO)) for _ in range(5))
+
+    later = RepeatFilter(window_s=0)
+    assert later.filter(_record("x")) and later.filter(record := _record("x"))
+    assert not hasattr(record, "repeated")  # nothing was held back
+
+
+def test_held_back_count_is_reported() -> None:
+    repeats = RepeatFilter(window_s=60)
+    for _ in range(5):
+        repeats.filter(_record("redis is full"))
+    repeats._seen[("gpulane.api", logging.WARNING, "redis is full")] = (-1e9, 4)
+    record = _record("redis is full")
+    assert repeats.filter(record)
+    assert record.repeated == 4  # type: ignore[attr-defined]
+    assert "repeated=4" in TextFormatter().format(record)
+
+
+def _abort(port: int, i: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        if i % 2:
+            head = (
+                "POST /tasks HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+                "boundary=b\r\nContent-Length: 100000\r\n\r\n"
+                '--b\r\nContent-Disposition: form-data; name="file"; filename="a.pdf"\r\n\r\n'
+            )
+        else:
+            head = (
+                "POST /tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                'Content-Length: 100000\r\n\r\n{"type": "echo", "args": {"x": "'
+            )
+        sock.sendall(head.encode() + b"x" * 2000)
+
+
+def test_aborted_uploads_log_a_line_each_without_tracebacks(
+    api: ApiServer, known_types: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    for i in range(ABORTS):
+        _abort(api.port, i)
+    # One more request answered: every abort before it has been handled or dropped.
+    with socket.create_connection(("127.0.0.1", api.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+    formatter = TextFormatter()
+    lines = sum(formatter.format(r).count("\n") + 1 for r in caplog.records)
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert lines <= 2 * ABORTS + 5, lines
+    assert all(r.levelno < logging.ERROR for r in caplog.records)
+
+
+def test_unexpected_error_is_one_500_and_one_traceback(
+    api: ApiServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(api.server.config.app.state.services.store, "get", broken)
+    caplog.set_level(logging.INFO)
+    response = httpx.get(f"{api.url}/tasks/abc", timeout=5)
+    assert response.status_code == 500
+    assert response.json()["error"] == "internal_error"
+    assert "a bug" not in response.text
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
+    assert "GET /tasks/abc" in tracebacks[0].getMessage()
