@@ -24,7 +24,9 @@ __all__ = ["Broker", "Claimed"]
 
 @dataclass(frozen=True)
 class Claimed:
-    """A task this worker holds (it sits in the worker's in-flight list)."""
+    """A task this worker holds (it sits in the worker's in-flight list). ``attempt``
+    is the fencing token: every report carries it, and the scripts drop a report whose
+    attempt a later claim superseded."""
 
     task_id: str
     cls: str
@@ -112,11 +114,13 @@ class Broker:
         error: dict[str, Any] | None = None,
         progress: dict[str, Any] | None = None,
     ) -> tuple[FinishVerdict, int | None]:
-        """Record the outcome; returns ('ok', ended_ms), ('duplicate', None) or ('gone', None)."""
+        """Record the outcome; returns ('ok', ended_ms), or ('duplicate' | 'gone' |
+        'fenced', None)."""
         opts = options(
             id=task.task_id,
             worker=self.name,
             **{"class": task.cls},
+            attempt=task.attempt,
             status=status,
             error=json.dumps(error) if error else "",
             progress=json.dumps(progress) if progress else "",
@@ -134,6 +138,7 @@ class Broker:
         opts = options(
             **self._lease_opts(),
             id=task.task_id,
+            attempt=task.attempt,
             at_head=at_head,
             **({"fault": fault} if fault else {}),
             **{"class": task.cls},
@@ -168,15 +173,22 @@ class Broker:
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
 
-    def progress(self, task_id: str, fraction: float, message: str) -> None:
+    def progress(self, task: Claimed, fraction: float, message: str) -> bool:
+        """Publish a running task's progress; False when fenced (a later attempt owns
+        the task)."""
+        opts = options(id=task.task_id, worker=self.name, attempt=task.attempt)
         value = json.dumps({"fraction": round(fraction, 4), "message": message})
-        self.client.hset(keys.job(task_id), "progress", value)
+        return bool(self._scripts.run("progress", opts, value))
 
     def heartbeat(
-        self, info: dict[str, str], drained: Drained, tau_s: float
-    ) -> tuple[bool, list[str]]:
-        """Renew the lease and flush metrics. Returns (lease was live, ids to cancel)."""
+        self, info: dict[str, str], drained: Drained, tau_s: float, task: Claimed | None = None
+    ) -> tuple[bool, list[str], bool]:
+        """Renew the lease and flush metrics. Returns (lease was live, ids to cancel,
+        ``task`` is still this worker's current run: False once a later attempt
+        superseded it)."""
+        running = {"task": {"id": task.task_id, "attempt": task.attempt}} if task else {}
         opts = options(
+            **running,
             worker=self.name,
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             tau_s=tau_s,
@@ -185,8 +197,8 @@ class Broker:
             floats=drained.floats,
             runs=drained.runs,
         )
-        renewed, cancels = self._scripts.run("heartbeat", opts)
-        return bool(renewed), [_text(c) for c in cancels]
+        renewed, cancels, held = self._scripts.run("heartbeat", opts)
+        return bool(renewed), [_text(c) for c in cancels], bool(held)
 
     def reap(self) -> list[Reaped]:
         return parse_reaped(self._scripts.run("reap", reap_options(self.settings)))

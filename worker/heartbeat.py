@@ -20,7 +20,7 @@ from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker
-from worker.execute import GpuFault, Interrupts, Runner
+from worker.execute import GpuFault, Interrupts, LeaseLost, Runner, RunningTask
 from worker.gpu.sampler import DeviceWatch
 from worker.state import WorkerState
 from worker.watchdog import Watchdog
@@ -102,8 +102,12 @@ class Heartbeat:
         # The reaper first: what it records leaves with this beat's metrics.
         record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
         drained = self.recorder.drain()
+        current = self.runner.current
+        running = current.claimed if current is not None else None
         try:
-            renewed, cancels = self.broker.heartbeat(self.state.info(), drained, RUN_TIME_TAU_S)
+            renewed, cancels, held = self.broker.heartbeat(
+                self.state.info(), drained, RUN_TIME_TAU_S, running
+            )
         except RedisError:
             self.recorder.restore(drained)
             raise
@@ -111,10 +115,22 @@ class Heartbeat:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
+        if current is not None and not held:
+            self._stale_run(current)
         for task_id in cancels:  # first: the script already took them off the list
             log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
             self.runner.cancel(task_id)
         self._renew_gpu()
+
+    def _stale_run(self, current: RunningTask) -> None:
+        """The running task is no longer ours (the lease was lost and the task given
+        back, or it runs again elsewhere): stop the run; its report would be fenced.
+        A run that just ended is not touched (requests name the run they are for)."""
+        log.warning(
+            "lease lost: the task was given back or runs elsewhere; stopping this run",
+            extra={"worker": self.state.name, "task": current.task_id},
+        )
+        self.interrupts.request(LeaseLost, current)
 
     def _renew_gpu(self) -> None:
         slot = self.gpu_slot

@@ -131,6 +131,12 @@ class WorkerLoop:
     def _report(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> int | None:
         """Hand the outcome to Redis, waiting out an outage: a finished task is never
         dropped. Returns the Redis time it ended at, or None when not recorded here."""
+        if outcome.status == "abandon":
+            log.warning(
+                "task abandoned: its lease was lost; not reported",
+                extra={"worker": self.broker.name, "task": claimed.task_id},
+            )
+            return None
         while True:
             try:
                 if outcome.status in ("release", "retry", "lost"):

@@ -27,7 +27,7 @@ from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
-from worker.broker import Broker
+from worker.broker import Broker, Claimed
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback
 from worker.gpu.claim import claim_device
 from worker.gpu.devices import Device, DeviceError, discover, pin, select
@@ -208,10 +208,11 @@ def run_worker(
 
 
 def _progress_sink(broker: Broker) -> ProgressSink:
-    def sink(task_id: str, fraction: float, message: str) -> None:
+    def sink(task: Claimed, fraction: float, message: str) -> None:
         try:
-            broker.progress(task_id, fraction, message)
+            if not broker.progress(task, fraction, message):
+                log.debug("progress fenced (not the current attempt)", extra={"task": task.task_id})
         except RedisError:
-            log.debug("progress not saved (redis unreachable)", extra={"task": task_id})
+            log.debug("progress not saved (redis unreachable)", extra={"task": task.task_id})
 
     return sink

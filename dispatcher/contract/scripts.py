@@ -38,13 +38,22 @@ __all__ = [
 SubmitVerdict = Literal["accepted", "duplicate", "queue_full", "no_workers", "over_quota"]
 CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "not_found"]
 # ``duplicate``: already final (another worker or a cancel reported it); ``gone``: no
-# such task any more.
-FinishVerdict = Literal["ok", "duplicate", "gone"]
+# such task any more; ``fenced``: a later attempt owns the task, the report was dropped.
+FinishVerdict = Literal["ok", "duplicate", "gone", "fenced"]
 # ``released``: queued again. With a fault (a lost attempt): ``requeued``, or
 # ``failed`` once the budget is spent. ``canceled``: a cancel was pending. Otherwise the
-# RQ status it already had, or ``gone`` when this worker no longer held it.
+# RQ status it already had, or ``gone`` when this worker no longer held it, or
+# ``fenced`` when a later attempt owns the task.
 ReleaseVerdict = Literal[
-    "released", "requeued", "failed", "canceled", "gone", "queued", "finished", "stopped"
+    "released",
+    "requeued",
+    "failed",
+    "canceled",
+    "gone",
+    "queued",
+    "finished",
+    "stopped",
+    "fenced",
 ]
 
 NAMES = (
@@ -61,6 +70,7 @@ NAMES = (
     "ratelimit",
     "gpu_lease",
     "unpark",
+    "progress",
 )
 
 
