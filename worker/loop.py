@@ -12,9 +12,10 @@ import os
 import signal
 import time
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.connect import refused
 from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
@@ -54,9 +55,9 @@ class WorkerLoop:
         while not self.state.stopping:
             try:
                 claimed = self.broker.claim(was_idle, device, redeliver)
-            except ResponseError:
-                raise  # a script error, not an outage: retrying would loop forever
             except RedisError as exc:
+                if refused(exc):
+                    raise  # a script error, not an outage: retrying would loop forever
                 redeliver = True  # the claim may have run and only its reply was lost
                 self._wait_out(exc)
                 continue
@@ -149,13 +150,13 @@ class WorkerLoop:
                     outcome.error,
                     ctx.latest_progress if ctx else None,
                 )
-            except ResponseError:
-                # A script error, not an outage: retrying would never end. Leave; the
-                # lease hands the task to another worker, within its attempt budget.
-                log.exception("redis refused the report", extra={"task": claimed.task_id})
-                self.state.mark_unhealthy("redis refused a task report (a script error)")
-                return None
             except RedisError as exc:
+                if refused(exc):
+                    # A script error, not an outage: retrying would never end. Leave; the
+                    # lease hands the task to another worker, within its attempt budget.
+                    log.exception("redis refused the report", extra={"task": claimed.task_id})
+                    self.state.mark_unhealthy("redis refused a task report (a script error)")
+                    return None
                 if self._abandon(exc):
                     return None
                 continue

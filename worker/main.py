@@ -19,10 +19,10 @@ import socket
 import time
 from types import FrameType
 
-from redis import Redis
 from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.connect import sync_client
 from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_UNHEALTHY
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import record_reaped
@@ -80,9 +80,7 @@ class _Worker:
 
     def __init__(self, settings: Settings, served: list[str], name: str) -> None:
         self.settings = settings
-        client = Redis.from_url(
-            settings.redis_url_or_default, socket_timeout=10, socket_connect_timeout=5
-        )
+        client = sync_client(settings, socket_timeout=10, connect_timeout=5)
         self.broker = Broker(client, settings, name, served)
         self.state = WorkerState(name, None, served, [])
         self.recorder = Recorder()

@@ -13,17 +13,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import BusyLoadingError, ReadOnlyError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dispatcher.api.store import NotReplicated
+from dispatcher.contract.connect import OUTAGE
 
 __all__ = ["STORE_RETRY_AFTER_S", "ApiError", "error_body", "install_error_handlers"]
 
 log = logging.getLogger("gpulane.api")
 
 STORE_RETRY_AFTER_S = 2
-_STORE_DOWN = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError)
+_STORE_DOWN = OUTAGE  # a failover in progress included (READONLY, MASTERDOWN)
 
 
 class ApiError(Exception):
@@ -79,6 +79,20 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"No route {request.url.path}."
         return _response(ApiError(exc.status_code, code, message), request)
+
+    @app.exception_handler(NotReplicated)
+    async def not_replicated(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("submit not confirmed by replicas: %s", exc)
+        return _response(
+            ApiError(
+                503,
+                "store_unavailable",
+                "The task store could not confirm the task on its replicas in time; "
+                "resubmit with the same Idempotency-Key.",
+                headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+            ),
+            request,
+        )
 
     for kind in _STORE_DOWN:
 
