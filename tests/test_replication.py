@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from conftest import make_settings
+from conftest import WorkerFactory, make_settings, wait_status
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import Settings
@@ -79,3 +79,22 @@ def test_submit_confirmed_by_a_replica_is_on_the_replica(
     task_id = accepted.json()["id"]
     # WAIT returned 1: the replica had it before the answer left.
     assert copy.client().hget(keys.job(task_id), "status") == b"queued"
+
+
+def test_workers_claim_and_report_through_replica_acks(
+    redis_url: str,
+    api_factory: Callable[[Settings], ApiServer],
+    replica: Callable[[], RedisServer],
+    start_worker: WorkerFactory,
+) -> None:
+    """Workers with min_replica_acks send each claim and report with a WAIT (one round
+    trip); with a replica attached tasks flow as usual."""
+    copy = replica()
+    start_worker(min_replica_acks=1, replica_ack_timeout_s=0.5)
+    http = _api(redis_url, api_factory)
+    ids = [
+        http.post("/tasks", json={"type": "echo", "args": {"i": i}}).json()["id"] for i in range(5)
+    ]
+    for task_id in ids:
+        assert wait_status(http, task_id, {"succeeded"})["attempts"] == 1
+        assert copy.client().hget(keys.job(task_id), "status") == b"finished"

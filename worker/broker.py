@@ -13,6 +13,7 @@ from typing import Any
 from redis import Redis
 
 from dispatcher.contract import keys
+from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.metrics import Drained
 from dispatcher.contract.reaper import Reaped, lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
@@ -49,12 +50,26 @@ class Broker:
         self.name = name
         self.classes = classes  # served, in priority order
         self._scripts = SyncScripts(client)
+        self._acks = settings.min_replica_acks
+        self._ack_timeout_ms = max(1, int(settings.replica_ack_timeout_s * 1000))
         self._wake_key = keys.wake(name)
         self._aging = {
             cls: int(cfg.promote_after_s * 1000)
             for cls, cfg in settings.classes.items()
             if cfg.promote_after_s is not None and cls in classes
         }
+
+    def _run_acked(self, name: str, opts: str, *payload: bytes | str) -> Any:
+        """A claim or a report that must survive a failover: with ``min_replica_acks``
+        it counts only once that many replicas hold it, else :class:`ReplicaLag` (an
+        outage: the loop retries; claims with ``redeliver``, reports as they are)."""
+        if self._acks == 0:
+            return self._scripts.run(name, opts, *payload)
+        wait = (self._acks, self._ack_timeout_ms)
+        reply, acks = self._scripts.run_acked(name, *wait, opts, *payload)
+        if acks < self._acks:
+            raise ReplicaLag(f"{name}: {acks} of {self._acks} replicas confirmed it in time")
+        return reply
 
     def _lease_opts(self) -> dict[str, Any]:
         return {**lease_options(self.settings), "worker": self.name}
@@ -83,7 +98,7 @@ class Broker:
             device=device_json,
             redeliver=redeliver,
         )
-        reply = self._scripts.run("claim", opts)
+        reply = self._run_acked("claim", opts)
         if reply is None:
             return None
         task_id, cls, data, attempt, timeout, created, started, file = reply
@@ -126,7 +141,7 @@ class Broker:
             progress=json.dumps(progress) if progress else "",
             ttl_s=self.settings.result_ttl_s,
         )
-        reply = self._scripts.run("finish", opts, result_json)
+        reply = self._run_acked("finish", opts, result_json)
         verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
         return verdict, int(reply[1]) if verdict == "ok" else None
 
@@ -143,9 +158,7 @@ class Broker:
             **({"fault": fault} if fault else {}),
             **{"class": task.cls},
         )
-        released: ReleaseVerdict = script_verdict(
-            self._scripts.run("release", opts), ReleaseVerdict
-        )
+        released: ReleaseVerdict = script_verdict(self._run_acked("release", opts), ReleaseVerdict)
         return released
 
     # GPU claims (gpu_lease.lua): slots are (uuid, slot number) pairs.

@@ -32,7 +32,14 @@ from redis.sentinel import Sentinel
 
 from dispatcher.contract.settings import Settings
 
-__all__ = ["OUTAGE", "async_client", "describe", "refused", "sync_client"]
+__all__ = ["OUTAGE", "ReplicaLag", "async_client", "describe", "refused", "sync_client"]
+
+
+class ReplicaLag(ConnectionError):
+    """A write did not reach ``min_replica_acks`` replicas in time. It may vanish in a
+    failover, so the caller treats it as an outage: it retries (the scripts it retries
+    are idempotent for the same attempt) until a master confirms it."""
+
 
 # Redis is unreachable or switching masters: wait and retry. (ReadOnlyError: a demoted
 # master still answering; MasterDownError: a replica lost its master.)

@@ -110,3 +110,14 @@ class SyncScripts:
 
     def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
         return self._bound[name](keys=[], args=[opts, *payload])
+
+    def run_acked(
+        self, name: str, replicas: int, timeout_ms: int, opts: str, *payload: bytes | str
+    ) -> tuple[Any, int]:
+        """Run a script and WAIT on the same connection, in one round trip: (reply,
+        replicas that hold its writes)."""
+        pipe = self.client.pipeline(transaction=False)
+        self._bound[name](keys=[], args=[opts, *payload], client=pipe)
+        pipe.execute_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
+        reply, acks = pipe.execute()
+        return reply, int(acks)
