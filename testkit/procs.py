@@ -92,11 +92,13 @@ def publish_catalog(client: redis.Redis, *modules: str) -> None:
 
 
 class RedisServer:
-    """A redis-server of our own, AOF on, that tests may stop, kill and restart."""
+    """A redis-server of our own, AOF on, that tests may stop, kill and restart;
+    ``overrides`` are extra options (``replicaof="127.0.0.1 6379"``)."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, **overrides: str) -> None:
         self.directory = directory
         self.port = port or free_port()
+        self.overrides = overrides
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -110,7 +112,9 @@ class RedisServer:
         binary = shutil.which("redis-server")
         assert binary, "redis-server is not installed (make test installs it)"
         self.directory.mkdir(parents=True, exist_ok=True)
-        argv = redis_argv(binary, self.port, self.directory, appendfsync="always")
+        argv = redis_argv(
+            binary, self.port, self.directory, **{"appendfsync": "always", **self.overrides}
+        )
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client()
 

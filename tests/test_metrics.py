@@ -33,6 +33,7 @@ COUNTERS = {
     "gpulane_tasks_rejected": ("class", "reason"),
     "gpulane_tasks_finished": ("class", "type", "status"),
     "gpulane_tasks_requeued": ("class", "reason"),
+    "gpulane_reports_fenced": ("report",),
 }
 GAUGES = {
     "gpulane_queue_depth",
@@ -98,6 +99,7 @@ def _seed_every_series(r: redis.Redis) -> None:
     recorder.count("rejected", "batch", "queue_full")
     recorder.count("finished", "batch", "echo", "succeeded")
     recorder.count("requeued", "batch", "worker_lost")
+    recorder.count("fenced", "finish")
     recorder.observe("queue_wait", 0.2, "batch")
     recorder.observe("run", 0.3, "batch", "echo")
     recorder.observe("latency", 0.5, "batch")

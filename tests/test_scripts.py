@@ -42,9 +42,9 @@ def _claim(s: SyncScripts, worker: str, redeliver: bool = False) -> list | None:
     return reply[0] if reply else None
 
 
-def _finish(s: SyncScripts, worker: str, task_id: str, result: dict) -> bytes:
-    opts = options(id=task_id, worker=worker, status="finished", error="", progress="",
-                   ttl_s=60, **{"class": "batch"})  # fmt: skip
+def _finish(s: SyncScripts, worker: str, task_id: str, result: dict, attempt: int = 1) -> bytes:
+    opts = options(id=task_id, worker=worker, attempt=attempt, status="finished", error="",
+                   progress="", ttl_s=60, **{"class": "batch"})  # fmt: skip
     return s.run("finish", opts, json.dumps(result))[0]
 
 
@@ -52,7 +52,7 @@ def _expire_lease(r: redis.Redis, worker: str) -> None:
     r.zadd(keys.WORKERS, {worker: 0})
 
 
-def test_task_run_twice_is_reported_once(r: redis.Redis) -> None:
+def test_task_run_twice_is_reported_by_its_current_attempt(r: redis.Redis) -> None:
     s = SyncScripts(r)
     task_id = _submit(s)
     _register(s, "slow")
@@ -61,11 +61,13 @@ def test_task_run_twice_is_reported_once(r: redis.Redis) -> None:
     reaped = parse_reaped(s.run("reap", reap_options(SETTINGS)))
     assert [(x.task_id, x.outcome) for x in reaped] == [(task_id, "requeued")]
     _register(s, "fast")
-    assert _claim(s, "fast")[0].decode() == task_id
-    assert _finish(s, "slow", task_id, {"by": "slow"}) == b"ok"  # first report wins
-    assert r.lrange(keys.control("fast"), 0, -1) == [task_id.encode()]  # "fast" is told to stop
-    assert _finish(s, "fast", task_id, {"by": "fast"}) == b"duplicate"
-    assert json.loads(r.hget(keys.job(task_id), "result")) == {"by": "slow"}
+    assert _claim(s, "fast")[3] == 2  # the second attempt
+    assert _finish(s, "slow", task_id, {"by": "slow"}, attempt=1) == b"fenced"
+    assert r.hget(keys.job(task_id), "status") == b"started"  # untouched
+    assert r.llen(keys.control("fast")) == 0  # "fast" runs on
+    assert _finish(s, "fast", task_id, {"by": "fast"}, attempt=2) == b"ok"
+    assert _finish(s, "fast", task_id, {"by": "fast"}, attempt=2) == b"duplicate"
+    assert json.loads(r.hget(keys.job(task_id), "result")) == {"by": "fast"}
     assert r.llen(keys.inflight("fast", "batch")) == 0
 
 
@@ -115,7 +117,7 @@ def test_cancel_requested_before_a_release_is_kept(r: redis.Redis) -> None:
     _claim(s, "w")
     cancel = options(id=task_id, tenant="", any_tenant=True, ttl_s=60)
     assert s.run("cancel", cancel) == [b"cancel_requested"]
-    release = options(id=task_id, worker="w", at_head=True, **lease_options(SETTINGS),
+    release = options(id=task_id, worker="w", attempt=1, at_head=True, **lease_options(SETTINGS),
                       **{"class": "batch"})  # fmt: skip
     assert s.run("release", release) == b"canceled"
     assert r.hget(keys.job(task_id), "status") == b"canceled"

@@ -15,6 +15,7 @@ from redis.exceptions import ResponseError
 
 from dispatcher import __version__
 from dispatcher.contract import keys
+from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.metrics import Drained
 from dispatcher.contract.reaper import Reaped, lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
@@ -27,7 +28,9 @@ __all__ = ["Broker", "Claimed"]
 
 @dataclass(frozen=True)
 class Claimed:
-    """A task this worker holds (it sits in the worker's in-flight list)."""
+    """A task this worker holds (it sits in the worker's in-flight list). ``attempt``
+    is the fencing token: every report carries it, and the scripts drop a report whose
+    attempt a later claim superseded."""
 
     task_id: str
     cls: str
@@ -50,6 +53,8 @@ class Broker:
         self.name = name
         self.classes = classes  # served, in priority order
         self._scripts = SyncScripts(client)
+        self._acks = settings.min_replica_acks
+        self._ack_timeout_ms = max(1, int(settings.replica_ack_timeout_s * 1000))
         self._wake_key = keys.wake(name)
         self._aging = {
             cls: int(cfg.promote_after_s * 1000)
@@ -66,6 +71,18 @@ class Broker:
             except ResponseError:
                 self._address = "unknown"
         return rq_worker_view(info, self.classes, current, self._address, f"gpulane {__version__}")
+
+    def _run_acked(self, name: str, opts: str, *payload: bytes | str) -> Any:
+        """A claim or a report that must survive a failover: with ``min_replica_acks``
+        it counts only once that many replicas hold it, else :class:`ReplicaLag` (an
+        outage: the loop retries; claims with ``redeliver``, reports as they are)."""
+        if self._acks == 0:
+            return self._scripts.run(name, opts, *payload)
+        wait = (self._acks, self._ack_timeout_ms)
+        reply, acks = self._scripts.run_acked(name, *wait, opts, *payload)
+        if acks < self._acks:
+            raise ReplicaLag(f"{name}: {acks} of {self._acks} replicas confirmed it in time")
+        return reply
 
     def _lease_opts(self) -> dict[str, Any]:
         return {**lease_options(self.settings), "worker": self.name}
@@ -104,7 +121,7 @@ class Broker:
             redeliver=redeliver,
             batch=batch or {},
         )
-        reply = self._scripts.run("claim", opts)
+        reply = self._run_acked("claim", opts)
         return [self._claimed(task) for task in reply or []]
 
     def claim_more(
@@ -122,7 +139,7 @@ class Broker:
             redeliver=False,
             more={"class": cls, "type": task_type, "n": n},
         )
-        reply = self._scripts.run("claim", opts)
+        reply = self._run_acked("claim", opts)
         return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]
 
     def _claimed(self, reply: list[Any]) -> Claimed:
@@ -154,17 +171,19 @@ class Broker:
         error: dict[str, Any] | None = None,
         progress: dict[str, Any] | None = None,
     ) -> tuple[FinishVerdict, int | None]:
-        """Record the outcome; returns ('ok', ended_ms), ('duplicate', None) or ('gone', None)."""
+        """Record the outcome; returns ('ok', ended_ms), or ('duplicate' | 'gone' |
+        'fenced', None)."""
         opts = options(
             id=task.task_id,
             worker=self.name,
             **{"class": task.cls},
+            attempt=task.attempt,
             status=status,
             error=json.dumps(error) if error else "",
             progress=json.dumps(progress) if progress else "",
             ttl_s=self.settings.result_ttl_s,
         )
-        reply = self._scripts.run("finish", opts, result_json)
+        reply = self._run_acked("finish", opts, result_json)
         verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
         return verdict, int(reply[1]) if verdict == "ok" else None
 
@@ -176,13 +195,12 @@ class Broker:
         opts = options(
             **self._lease_opts(),
             id=task.task_id,
+            attempt=task.attempt,
             at_head=at_head,
             **({"fault": fault} if fault else {}),
             **{"class": task.cls},
         )
-        released: ReleaseVerdict = script_verdict(
-            self._scripts.run("release", opts), ReleaseVerdict
-        )
+        released: ReleaseVerdict = script_verdict(self._run_acked("release", opts), ReleaseVerdict)
         return released
 
     # GPU claims (gpu_lease.lua): slots are (uuid, slot number) pairs.
@@ -210,20 +228,27 @@ class Broker:
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
 
-    def progress(self, task_id: str, fraction: float, message: str) -> None:
-        """Store the progress and tell the API's waiters (one MULTI: both or neither)."""
+    def progress(self, task: Claimed, fraction: float, message: str) -> bool:
+        """Publish a running task's progress and tell the API's waiters (progress.lua);
+        False when fenced (a later attempt owns the task)."""
+        opts = options(id=task.task_id, worker=self.name, attempt=task.attempt)
         value = json.dumps({"fraction": round(fraction, 4), "message": message})
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(keys.job(task_id), "progress", value)
-        pipe.publish(keys.EVENTS, task_id)
-        pipe.execute()
+        return bool(self._scripts.run("progress", opts, value))
 
     def heartbeat(
-        self, info: dict[str, str], current: RqCurrent | None, drained: Drained, tau_s: float
-    ) -> tuple[bool, list[str]]:
-        """Renew the lease, publish the worker (``current``: the task it runs) and flush
-        metrics. Returns (lease was live, ids to cancel)."""
+        self,
+        info: dict[str, str],
+        current: RqCurrent | None,
+        drained: Drained,
+        tau_s: float,
+        task: Claimed | None = None,
+    ) -> tuple[bool, list[str], bool]:
+        """Renew the lease, publish the worker (``current``: the task it runs, for RQ's
+        registry) and flush metrics. Returns (lease was live, ids to cancel, ``task`` is
+        still this worker's current run: False once a later attempt superseded it)."""
+        running = {"task": {"id": task.task_id, "attempt": task.attempt}} if task else {}
         opts = options(
+            **running,
             worker=self.name,
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             tau_s=tau_s,
@@ -233,8 +258,8 @@ class Broker:
             floats=drained.floats,
             runs=drained.runs,
         )
-        renewed, cancels = self._scripts.run("heartbeat", opts)
-        return bool(renewed), [_text(c) for c in cancels]
+        renewed, cancels, held = self._scripts.run("heartbeat", opts)
+        return bool(renewed), [_text(c) for c in cancels], bool(held)
 
     def reap(self) -> list[Reaped]:
         return parse_reaped(self._scripts.run("reap", reap_options(self.settings)))

@@ -37,6 +37,7 @@ from worker.registry import (
 __all__ = [
     "GpuFault",
     "Interrupts",
+    "LeaseLost",
     "Outcome",
     "ProgressSink",
     "Runner",
@@ -56,12 +57,18 @@ class GpuFault(TaskInterrupt):
     """The heartbeat found the device lost or not answering: hand the task back."""
 
 
+class LeaseLost(TaskInterrupt):
+    """The heartbeat found the task no longer this run's (the worker lost its lease and
+    the task was given back, or runs again elsewhere): stop and report nothing."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended. ``status`` is RQ's: finished, failed, canceled; or ``release``
     (hand the task back untouched), ``retry`` (requeue it behind the others) and
     ``lost`` (a GPU fault: hand it back as a lost attempt, which counts against
-    ``max_attempts`` like a dead worker's task, and take this worker out of service)."""
+    ``max_attempts`` like a dead worker's task, and take this worker out of service),
+    and ``abandon`` (the lease was lost: the task is no longer ours, report nothing)."""
 
     status: str
     result_json: str = ""
@@ -124,7 +131,7 @@ class Interrupts:
             self._fire(*self._pending)
 
 
-ProgressSink = Callable[[str, float, str], None]
+ProgressSink = Callable[[Claimed, float, str], None]
 
 
 class RunningTask:
@@ -164,7 +171,7 @@ class RunningTask:
         now = time.monotonic()
         if now - self._last_write >= self._MIN_WRITE_INTERVAL_S:
             self._last_write = now
-            self._sink(self.task_id, fraction, message)
+            self._sink(self.claimed, fraction, message)
 
     def cancelled(self) -> bool:
         return self._cancel.is_set()
@@ -271,6 +278,8 @@ class Runner:
             return Outcome("release")
         if isinstance(exc, GpuFault):
             return Outcome.lost(self.interrupts.reason or "Its GPU stopped answering.")
+        if isinstance(exc, LeaseLost):
+            return Outcome("abandon")
         return canceled()
 
     def failed(self, exc: Exception, claimed: Claimed, ctx: RunningTask) -> Outcome:

@@ -21,7 +21,7 @@ from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent
 from worker.broker import Broker
-from worker.execute import GpuFault, Interrupts, Runner
+from worker.execute import GpuFault, Interrupts, LeaseLost, Runner, RunningTask
 from worker.gpu.sampler import DeviceWatch
 from worker.probe import write_health
 from worker.state import WorkerState
@@ -122,9 +122,11 @@ class Heartbeat:
         except OutOfMemoryError:
             log.warning("redis is full (maxmemory): reaper pass skipped")
         drained = self.recorder.drain()
+        current = self.runner.current
+        running = current.claimed if current is not None else None
         try:
-            renewed, cancels = self.broker.heartbeat(
-                self.state.info(), self._current(), drained, RUN_TIME_TAU_S
+            renewed, cancels, held = self.broker.heartbeat(
+                self.state.info(), self._current(), drained, RUN_TIME_TAU_S, running
             )
         except RedisError:
             self.recorder.restore(drained)
@@ -133,6 +135,8 @@ class Heartbeat:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
+        if current is not None and not held:
+            self._stale_run(current)
         for task_id in cancels:  # first: the script already took them off the list
             log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
             self.runner.cancel(task_id)
@@ -144,6 +148,16 @@ class Heartbeat:
         if ctx is None:
             return None
         return RqCurrent(ctx.task_id, ctx.attempt, ctx.claimed.started_ms)
+
+    def _stale_run(self, current: RunningTask) -> None:
+        """The running task is no longer ours (the lease was lost and the task given
+        back, or it runs again elsewhere): stop the run; its report would be fenced.
+        A run that just ended is not touched (requests name the run they are for)."""
+        log.warning(
+            "lease lost: the task was given back or runs elsewhere; stopping this run",
+            extra={"worker": self.state.name, "task": current.task_id},
+        )
+        self.interrupts.request(LeaseLost, current)
 
     def _renew_gpu(self) -> None:
         slot = self.gpu_slot

@@ -12,9 +12,10 @@ import os
 import signal
 import time
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 
 from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.connect import refused
 from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
@@ -75,9 +76,9 @@ class WorkerLoop:
                 self.state.set("idle", f"{_why(exc)}; takes no task until it can write")
                 self._wait_out(exc)
                 continue
-            except ResponseError:
-                raise  # a script error, not an outage: retrying would loop forever
             except RedisError as exc:
+                if refused(exc):
+                    raise  # a script error, not an outage: retrying would loop forever
                 self._redeliver = True  # the claim may have run and only its reply was lost
                 self._wait_out(exc)
                 continue
@@ -214,6 +215,12 @@ class WorkerLoop:
     def _report(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> int | None:
         """Hand the outcome to Redis, waiting out an outage: a finished task is never
         dropped. Returns the Redis time it ended at, or None when not recorded here."""
+        if outcome.status == "abandon":
+            log.warning(
+                "task abandoned: its lease was lost; not reported",
+                extra={"worker": self.broker.name, "task": claimed.task_id},
+            )
+            return None
         while True:
             try:
                 if outcome.status in ("release", "retry", "lost"):
@@ -232,13 +239,13 @@ class WorkerLoop:
                 self.state.set("busy", f"{_why(exc)}; holding a task's outcome")
                 self._wait_out(exc)
                 continue
-            except ResponseError:
-                # A script error, not an outage: retrying would never end. Leave; the
-                # lease hands the task to another worker, within its attempt budget.
-                log.exception("redis refused the report", extra={"task": claimed.task_id})
-                self.state.mark_unhealthy("redis refused a task report (a script error)")
-                return None
             except RedisError as exc:
+                if refused(exc):
+                    # A script error, not an outage: retrying would never end. Leave; the
+                    # lease hands the task to another worker, within its attempt budget.
+                    log.exception("redis refused the report", extra={"task": claimed.task_id})
+                    self.state.mark_unhealthy("redis refused a task report (a script error)")
+                    return None
                 if self._abandon(exc):
                     return None
                 continue

@@ -21,15 +21,15 @@ import socket
 import time
 from types import FrameType
 
-from redis import Redis
 from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.connect import sync_client
 from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_RECYCLED, EXIT_UNHEALTHY
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
-from worker.broker import Broker
+from worker.broker import Broker, Claimed
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback
 from worker.gpu.claim import claim_device
 from worker.gpu.devices import Device, DeviceError, discover, pin, select
@@ -82,9 +82,7 @@ class _Worker:
 
     def __init__(self, settings: Settings, served: list[str], name: str) -> None:
         self.settings = settings
-        client = Redis.from_url(
-            settings.redis_url_or_default, socket_timeout=10, socket_connect_timeout=5
-        )
+        client = sync_client(settings, socket_timeout=10, connect_timeout=5)
         self.broker = Broker(client, settings, name, served)
         self.state = WorkerState(name, None, served, [])
         self.recorder = Recorder()
@@ -248,10 +246,11 @@ def run_worker(
 
 
 def _progress_sink(broker: Broker) -> ProgressSink:
-    def sink(task_id: str, fraction: float, message: str) -> None:
+    def sink(task: Claimed, fraction: float, message: str) -> None:
         try:
-            broker.progress(task_id, fraction, message)
+            if not broker.progress(task, fraction, message):
+                log.debug("progress fenced (not the current attempt)", extra={"task": task.task_id})
         except RedisError:
-            log.debug("progress not saved (redis unreachable)", extra={"task": task_id})
+            log.debug("progress not saved (redis unreachable)", extra={"task": task.task_id})
 
     return sink

@@ -31,6 +31,7 @@ from dispatcher.api.store import TaskStore
 from dispatcher.api.waiters import Waiters
 from dispatcher.contract import keys
 from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.connect import async_client
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import parse_reaped, reap_options, record_reaped
 from dispatcher.contract.settings import Settings
@@ -117,9 +118,7 @@ async def _check_redis_config(client: Redis) -> None:
 def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = client or Redis.from_url(
-            settings.redis_url_or_default, socket_timeout=5, socket_connect_timeout=3
-        )
+        redis = client or async_client(settings, socket_timeout=5, connect_timeout=3)
         store = TaskStore(redis, settings)
         svc = Services(
             settings=settings,

@@ -6,6 +6,10 @@ Redis. A :class:`Coalescer` keeps at most one pipeline in flight per script: cal
 while it is out wait and leave together in the next one. A lone call goes out at once,
 so there is no added delay when calls do not overlap; under load N calls cost one round
 trip. Each call is still its own ``EVALSHA``, atomic on its own.
+
+A coalescer made with ``wait=(replicas, timeout_ms)`` ends each pipeline with Redis
+``WAIT`` on the same connection, and each caller gets ``(reply, acks)``: how many
+replicas hold every write of the pipeline (``min_replica_acks``).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ _MAX_BATCH = 256  # bounds one pipeline's size (and the wait of the last call in
 class Coalescer:
     """Runs one Lua script for many concurrent callers, a pipeline at a time."""
 
-    def __init__(self, client: Redis, source: str) -> None:
+    def __init__(self, client: Redis, source: str, wait: tuple[int, int] | None = None) -> None:
         self.client = client
         self.source = source
+        self.wait = wait
         self.sha: str | None = None
         self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self._flushing = False
@@ -77,8 +82,15 @@ class Coalescer:
         pipe = self.client.pipeline(transaction=False)
         for args in calls:
             pipe.evalsha(sha, 0, *args)
+        if self.wait is not None:
+            pipe.execute_command("WAIT", *self.wait)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
-        return replies
+        if self.wait is None:
+            return replies
+        acks = replies.pop()
+        if isinstance(acks, BaseException):
+            return [acks] * len(replies)
+        return [r if isinstance(r, BaseException) else (r, int(acks)) for r in replies]
 
 
 @dataclass
@@ -87,11 +99,23 @@ class AsyncScripts:
     share round trips (:class:`Coalescer`)."""
 
     client: Redis
+    replica_acks: int = 0  # > 0: submits also wait for this many replicas
+    ack_timeout_ms: int = 1000
     _bound: dict[str, Coalescer] = field(default_factory=dict)
+    _acked: Coalescer | None = None
 
     def __post_init__(self) -> None:
         for name in NAMES:
             self._bound[name] = Coalescer(self.client, source(name))
+        if self.replica_acks > 0:
+            wait = (self.replica_acks, self.ack_timeout_ms)
+            self._acked = Coalescer(self.client, source("submit"), wait)
 
     async def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
         return await self._bound[name].call(opts, *payload)
+
+    async def run_acked(self, name: str, opts: str, *payload: bytes | str) -> tuple[Any, int]:
+        """Run ``submit`` and WAIT for the replicas: (reply, replicas that hold it)."""
+        assert name == "submit" and self._acked is not None, name
+        reply, acks = await self._acked.call(opts, *payload)
+        return reply, int(acks)

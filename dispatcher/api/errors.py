@@ -37,6 +37,8 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dispatcher.api.store import NotReplicated
+
 __all__ = [
     "FULL_RETRY_AFTER_S",
     "STORE_RETRY_AFTER_S",
@@ -178,6 +180,20 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, OutOfMemoryError):  # GET /health reports it for a while
             request.app.state.redis_full_at = time.monotonic()
         return _response(store_error(exc), request)
+
+    @app.exception_handler(NotReplicated)
+    async def not_replicated(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("submit not confirmed by replicas: %s", exc)
+        return _response(
+            ApiError(
+                503,
+                "store_unavailable",
+                "The task store could not confirm the task on its replicas in time; "
+                "resubmit with the same Idempotency-Key.",
+                headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+            ),
+            request,
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(request: Request, exc: ClientDisconnect) -> JSONResponse:

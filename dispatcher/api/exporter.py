@@ -56,6 +56,8 @@ _HELP = {
     'class "-" when refused before the class was read.',
     "finished": "Tasks that reached a final status.",
     "requeued": "Tasks given back to their queue after their worker was lost.",
+    "fenced": "Reports (finish, release, progress) dropped because a later attempt of the "
+    "task had started: the reporting worker had lost its lease.",
     "queue_wait": "Seconds from submit to start, per started task.",
     "run": "Seconds a task ran on its worker.",
     "latency": "Seconds from submit to a final status.",

@@ -25,12 +25,23 @@ from dispatcher.contract.settings import ClassConfig, Settings
 
 __all__ = [
     "CancelResult",
+    "NotReplicated",
     "Submission",
     "SubmitResult",
     "TaskStore",
     "fingerprint",
     "submit_options",
 ]
+
+
+class NotReplicated(Exception):
+    """Fewer than ``min_replica_acks`` replicas confirmed a submit in time (the task may
+    exist on the master, and be lost in a failover): answered 503 store_unavailable."""
+
+    def __init__(self, acks: int, wanted: int) -> None:
+        super().__init__(f"{acks} of {wanted} replicas confirmed the task in time")
+        self.acks = acks
+        self.wanted = wanted
 
 
 @dataclass(frozen=True)
@@ -118,12 +129,22 @@ class TaskStore:
     def __init__(self, client: Redis, settings: Settings) -> None:
         self.client = client
         self.settings = settings
-        self.scripts = AsyncScripts(client)
+        self.scripts = AsyncScripts(
+            client,
+            replica_acks=settings.min_replica_acks,
+            ack_timeout_ms=max(1, int(settings.replica_ack_timeout_s * 1000)),
+        )
 
     async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
         opts = submit_options(sub, state.config, state.workers, state.run_s, self.settings)
         data = encode_call(sub.task_type, sub.args, sub.file)
-        reply = await self.scripts.run("submit", opts, data, sub.file_data)
+        wanted = self.settings.min_replica_acks
+        if wanted > 0:
+            reply, acks = await self.scripts.run_acked("submit", opts, data, sub.file_data)
+            if acks < wanted:
+                raise NotReplicated(acks, wanted)
+        else:
+            reply = await self.scripts.run("submit", opts, data, sub.file_data)
         verdict: SubmitVerdict = script_verdict(reply[0], SubmitVerdict)
         if verdict == "duplicate":
             _, task_id, status, cls, task_type = (_text(x) for x in reply)

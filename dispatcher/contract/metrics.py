@@ -70,6 +70,8 @@ COUNTERS = {
     "rejected": ("gpulane_tasks_rejected_total", ("class", "reason")),
     "finished": ("gpulane_tasks_finished_total", ("class", "type", "status")),
     "requeued": ("gpulane_tasks_requeued_total", ("class", "reason")),
+    # Counted by the scripts themselves (c|fenced|<report>), not through a Recorder.
+    "fenced": ("gpulane_reports_fenced_total", ("report",)),
 }
 HISTOGRAMS = {
     "queue_wait": ("gpulane_queue_wait_seconds", ("class",)),

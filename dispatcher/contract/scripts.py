@@ -49,13 +49,22 @@ SubmitVerdict = Literal[
 ]
 CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "not_found"]
 # ``duplicate``: already final (another worker or a cancel reported it); ``gone``: no
-# such task any more.
-FinishVerdict = Literal["ok", "duplicate", "gone"]
+# such task any more; ``fenced``: a later attempt owns the task, the report was dropped.
+FinishVerdict = Literal["ok", "duplicate", "gone", "fenced"]
 # ``released``: queued again. With a fault (a lost attempt): ``requeued``, or
 # ``failed`` once the budget is spent. ``canceled``: a cancel was pending. Otherwise the
-# RQ status it already had, or ``gone`` when this worker no longer held it.
+# RQ status it already had, or ``gone`` when this worker no longer held it, or
+# ``fenced`` when a later attempt owns the task.
 ReleaseVerdict = Literal[
-    "released", "requeued", "failed", "canceled", "gone", "queued", "finished", "stopped"
+    "released",
+    "requeued",
+    "failed",
+    "canceled",
+    "gone",
+    "queued",
+    "finished",
+    "stopped",
+    "fenced",
 ]
 
 NAMES = (
@@ -72,6 +81,7 @@ NAMES = (
     "ratelimit",
     "gpu_lease",
     "unpark",
+    "progress",
 )
 
 
@@ -123,3 +133,14 @@ class SyncScripts:
 
     def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
         return self._bound[name](keys=[], args=[opts, *payload])
+
+    def run_acked(
+        self, name: str, replicas: int, timeout_ms: int, opts: str, *payload: bytes | str
+    ) -> tuple[Any, int]:
+        """Run a script and WAIT on the same connection, in one round trip: (reply,
+        replicas that hold its writes)."""
+        pipe = self.client.pipeline(transaction=False)
+        self._bound[name](keys=[], args=[opts, *payload], client=pipe)
+        pipe.execute_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
+        reply, acks = pipe.execute()
+        return reply, int(acks)

@@ -155,7 +155,30 @@ class Settings(BaseSettings):
 
     # Where things are.
     redis_url: str | None = Field(
-        None, description="Shared Redis. Unset: `gpulane up` starts a private one."
+        None,
+        description="Shared Redis. Unset: `gpulane up` starts a private one. With "
+        "`redis_sentinels`, only its credentials and database number are used.",
+    )
+    redis_sentinels: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description='Sentinels as "host:port" (JSON list in the environment). Set: the '
+        "master is found through them and followed across a failover.",
+    )
+    redis_sentinel_master: str = Field(
+        "gpulane", min_length=1, max_length=128, description="The master name they monitor."
+    )
+    redis_sentinel_username: str | None = Field(None, description="ACL user of the sentinels.")
+    redis_sentinel_password: str | None = Field(None, description="Password of the sentinels.")
+    min_replica_acks: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="POST /tasks answers 202 only once this many replicas hold the task "
+        "(Redis WAIT); else 503 store_unavailable. 0: no wait.",
+    )
+    replica_ack_timeout_s: float = Field(
+        1.0, gt=0, le=60, description="How long POST /tasks waits for those replica acks."
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -292,6 +315,15 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
 
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _host_ports(cls, value: list[str]) -> list[str]:
+        for address in value:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f'redis_sentinels entry {address!r} must be "host:port"')
+        return value
+
     @field_validator("classes")
     @classmethod
     def _class_names(cls, value: dict[str, ClassConfig]) -> dict[str, ClassConfig]:
@@ -350,6 +382,11 @@ class Settings(BaseSettings):
         if self.openai_class is not None:
             return self.openai_class
         return "interactive" if "interactive" in self.classes else self.default_class
+
+    @property
+    def redis_remote(self) -> bool:
+        """A shared Redis is configured (a URL or sentinels): `up` starts none."""
+        return self.redis_url is not None or bool(self.redis_sentinels)
 
     @property
     def class_names(self) -> list[str]:

@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import httpx
 
+from dispatcher.contract.connect import describe as describe_redis
 from dispatcher.contract.exits import EXIT_OK, describe
 from dispatcher.contract.settings import Settings
 from dispatcher.ops.embedded_redis import EmbeddedRedis
@@ -257,7 +258,7 @@ class Supervisor:
     def _start(self) -> str:
         self._claim_data_dir()
         env = dict(os.environ)
-        if self.settings.redis_url is None:
+        if not self.settings.redis_remote:
             self.redis = EmbeddedRedis(self.data_dir / "redis", preexec_fn=_die_with_parent)
             stale = self.redis.stop_stale()
             if stale:
@@ -266,7 +267,7 @@ class Supervisor:
             env["GPULANE_REDIS_URL"] = self.redis.url
             say(f"redis {self.redis.url} (private, AOF on, data in {self.data_dir / 'redis'})")
         else:
-            say(f"redis {self.settings.redis_url}")
+            say(f"redis {describe_redis(self.settings)}")
         self.listener, port = self._bind()
         env["GPULANE_DATA_DIR"] = str(self.data_dir)
         host = self.settings.host

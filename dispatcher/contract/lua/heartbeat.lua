@@ -2,8 +2,10 @@
 -- gpulane hash and in RQ's worker registry), fold in the metrics and run-time samples
 -- gathered since the last beat, and collect the cancel requests addressed to it.
 -- ARGV[1]: {worker, ttl_ms, tau_s, info {field: string}, counters {field: int},
---           floats {field: number}, runs {class: [sum_run_s, count]}, rq (see rq_publish)}
--- Returns {renewed (0: the lease had been reaped), {task ids to cancel}}.
+--           floats {field: number}, runs {class: [sum_run_s, count]}, rq (see rq_publish),
+--           task? {id, attempt}: the run in progress}
+-- Returns {renewed (0: the lease had been reaped), {task ids to cancel}, held (0: the
+-- run in progress is no longer the task's current attempt: the worker stops it)}.
 local o = cjson.decode(ARGV[1])
 local now = now_ms()
 local added = redis.call('ZADD', K.WORKERS, now + o.ttl_ms, o.worker)
@@ -31,4 +33,10 @@ end
 
 local cancels = redis.call('LRANGE', K.control(o.worker), 0, -1)
 if #cancels > 0 then redis.call('DEL', K.control(o.worker)) end
-return {1 - added, cancels}
+
+local held = 1
+if o.task then
+  local f = redis.call('HMGET', K.job(o.task.id), 'status', 'worker_name', 'attempts')
+  if not holds(f, o.worker, o.task.attempt) then held = 0 end
+end
+return {1 - added, cancels, held}

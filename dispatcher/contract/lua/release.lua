@@ -3,17 +3,22 @@
 -- retry. Neither counts as a lost attempt. With `fault` ({code, message}: a fatal GPU
 -- error, or its device stopped answering) it counts as one, exactly like a dead
 -- worker's task (lose() in _prelude.lua), so a task that breaks every GPU still ends.
--- ARGV[1]: {id, worker, class, classes, at_head, fault?, ttl_s, max_attempts}.
+-- A release from an attempt a later claim superseded is fenced (see the prelude).
+-- ARGV[1]: {id, worker, class, attempt, classes, at_head, fault?, ttl_s, max_attempts}.
 -- Returns 'released', 'canceled' (a cancel was requested), with a fault 'requeued',
--- 'failed' or 'canceled', or what it found.
+-- 'failed' or 'canceled', 'fenced', or what it found.
 local o = cjson.decode(ARGV[1])
+local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota', 'attempts',
+  'worker_name', 'bytes')
+if f[1] and (tonumber(f[5]) ~= o.attempt or (f[1] == 'started' and f[6] ~= o.worker)) then
+  return fenced('release')
+end
 if redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id) == 0 then return 'gone' end
-local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota', 'bytes')
 if f[1] ~= 'started' then return f[1] or 'gone' end
 if o.fault then return (lose(o.id, o.class, o.worker, now_ms(), o, o.fault)) end
 if f[2] == '1' then -- its client canceled it meanwhile: back in the queue it would run
   finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
-    message = 'Canceled while running.'})}, quota_of(f[3], f[4]), o.class, f[5])
+    message = 'Canceled while running.'})}, quota_of(f[3], f[4]), o.class, f[7])
   return 'canceled'
 end
 requeue(o.id, o.class, o.classes, {}, o.at_head)

@@ -1,0 +1,135 @@
+"""The one way gpulane processes connect to Redis: a URL, or the master a set of
+Sentinels names (``redis_sentinels``), followed across a failover.
+
+With Sentinel, redis-py's managed pool asks the sentinels for the master at every new
+connection and treats a ``READONLY`` reply from a demoted master as a lost connection,
+so the next attempt reaches the promoted replica. Commands keep redis-py's default
+retries on connection errors and timeouts; beyond those, an outage reaches the caller
+as a ``RedisError`` and each caller's own policy applies (workers back off and retry
+within their lease, the API answers ``503 store_unavailable``). :data:`OUTAGE` and
+:func:`refused` tell such an outage from a command Redis refused (a script error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.connection import parse_url
+from redis.exceptions import (
+    BusyLoadingError,
+    ConnectionError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TimeoutError,
+)
+from redis.sentinel import Sentinel
+
+from dispatcher.contract.settings import Settings
+
+__all__ = ["OUTAGE", "ReplicaLag", "async_client", "describe", "refused", "sync_client"]
+
+
+class ReplicaLag(ConnectionError):
+    """A write did not reach ``min_replica_acks`` replicas in time. It may vanish in a
+    failover, so the caller treats it as an outage: it retries (the scripts it retries
+    are idempotent for the same attempt) until a master confirms it."""
+
+
+# Redis is unreachable or switching masters: wait and retry. (ReadOnlyError: a demoted
+# master still answering; MasterDownError: a replica lost its master.)
+OUTAGE = (ConnectionError, TimeoutError, BusyLoadingError, ReadOnlyError, MasterDownError)
+
+
+def refused(exc: RedisError) -> bool:
+    """True when Redis refused the command itself (a script error), which retrying
+    would only repeat; False for an outage or a failover in progress (a demoted master
+    answering READONLY, a replica without its master) or a full Redis (maxmemory),
+    which waiting cures."""
+    return isinstance(exc, ResponseError) and not isinstance(exc, (*OUTAGE, OutOfMemoryError))
+
+
+def _sentinels(settings: Settings) -> list[tuple[str, int]]:
+    out = []
+    for address in settings.redis_sentinels:
+        host, _, port = address.rpartition(":")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def _master_auth(settings: Settings) -> dict[str, Any]:
+    """Credentials and database of the master, from ``redis_url`` when one is given."""
+    if settings.redis_url is None:
+        return {}
+    parsed = parse_url(settings.redis_url)  # type: ignore[no-untyped-call]
+    return {k: parsed[k] for k in ("username", "password", "db") if parsed.get(k) is not None}
+
+
+def _sentinel_kwargs(settings: Settings, timeout_s: float) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if settings.redis_sentinel_username:
+        kwargs["username"] = settings.redis_sentinel_username
+    if settings.redis_sentinel_password:
+        kwargs["password"] = settings.redis_sentinel_password
+    return kwargs
+
+
+def sync_client(settings: Settings, *, socket_timeout: float, connect_timeout: float) -> Redis:
+    """A client of the shared Redis (workers, ops tools)."""
+    if not settings.redis_sentinels:
+        return Redis.from_url(
+            settings.redis_url_or_default,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+        )
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        _sentinels(settings),
+        sentinel_kwargs=_sentinel_kwargs(settings, connect_timeout),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        **_master_auth(settings),
+    )
+    client: Redis = sentinel.master_for(settings.redis_sentinel_master)  # type: ignore[no-untyped-call]
+    return client
+
+
+def async_client(
+    settings: Settings, *, socket_timeout: float, connect_timeout: float
+) -> AsyncRedis:
+    """An asyncio client of the shared Redis (the API)."""
+    if not settings.redis_sentinels:
+        return AsyncRedis.from_url(
+            settings.redis_url_or_default,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+        )
+    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
+        _sentinels(settings),
+        sentinel_kwargs=_sentinel_kwargs(settings, connect_timeout),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        **_master_auth(settings),
+    )
+    client: AsyncRedis = sentinel.master_for(settings.redis_sentinel_master)
+    return client
+
+
+def describe(settings: Settings) -> str:
+    """Where Redis is, for logs: no password."""
+    if settings.redis_sentinels:
+        return f"master {settings.redis_sentinel_master!r} via sentinels " + ",".join(
+            settings.redis_sentinels
+        )
+    parts = urlsplit(settings.redis_url_or_default)
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}"
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts)
