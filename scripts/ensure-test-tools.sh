@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Make sure the tools the observability tests drive are installed (make test calls it):
-# headless Chromium for the dashboard test, promtool for the /metrics format check.
+# Make sure the tools the tests drive are installed (make test and make test-slow call
+# it): headless Chromium (dashboard, Swagger UI), Prometheus (promtool for /metrics and
+# the alert rules, a real server for the Grafana panels), redis-sentinel (the failover
+# test) and iproute2 (`ip netns` for the multi-host test).
 # Idempotent: installs only what is missing, as root or through sudo.
 set -euo pipefail
 
 missing=()
 [ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 echo "installing test tools: ${missing[*]}" >&2
@@ -23,4 +27,10 @@ if [[ " ${missing[*]} " == *" prometheus "* ]]; then
   ($SUDO systemctl disable --now prometheus >/dev/null 2>&1 \
     || $SUDO service prometheus stop >/dev/null 2>&1) || true
 fi
-command -v promtool >/dev/null && { [ -x /usr/bin/chromium ] || command -v chromium >/dev/null; }
+if [[ " ${missing[*]} " == *" redis-sentinel "* ]]; then
+  # Debian starts a system Sentinel; the tests start their own on free ports.
+  ($SUDO systemctl disable --now redis-sentinel >/dev/null 2>&1 \
+    || $SUDO service redis-sentinel stop >/dev/null 2>&1) || true
+fi
+command -v promtool >/dev/null && command -v redis-sentinel >/dev/null \
+  && { [ -x /usr/bin/chromium ] || command -v chromium >/dev/null; }
