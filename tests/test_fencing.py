@@ -235,3 +235,48 @@ def test_stalled_worker_stops_its_stale_run_and_rejoins(
     other.terminate()
     again = http.post("/tasks", json={"type": "echo", "args": {}}).json()["id"]
     assert wait_status(http, again, {"succeeded"})["worker"] == "stale"
+
+
+@pytest.mark.slow
+def test_a_stalled_batch_stops_its_stale_run_and_the_worker_lives(
+    known_types: None, r: redis.Redis, http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    """The same stall with a batch in progress: every item is run again elsewhere, the
+    stale worker abandons the whole call (none of its items is reported) and serves on."""
+    body = {"type": "test.batch_echo", "args": {"value": 0, "seconds": 6}}
+    ids = []
+    for value in range(3):
+        body["args"] = {"value": value, "seconds": 6}
+        response = http.post("/tasks", json=body)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    stale = start_worker("stale-batch")
+    wait_for(
+        lambda: all(r.hget(keys.job(i), "worker_name") == b"stale-batch" for i in ids),
+        10,
+        what="one batch of all three on the stale worker",
+    )
+    os.kill(stale.pid, signal.SIGSTOP)
+    try:
+        start_worker("other-batch")
+        wait_for(
+            lambda: all(r.hget(keys.job(i), "worker_name") == b"other-batch" for i in ids),
+            15,
+            what="the batch to run again",
+        )
+    finally:
+        os.kill(stale.pid, signal.SIGCONT)
+    wait_for(lambda: "task abandoned" in stale.output(), 10, what="the stale batch to end")
+    assert stale.alive(), stale.output()
+    for task_id in ids:
+        done = wait_status(http, task_id, {"succeeded", "failed"}, timeout_s=20)
+        assert (done["status"], done["worker"], done["attempts"]) == (
+            "succeeded",
+            "other-batch",
+            2,
+        )
+    wait_for(
+        lambda: r.hget(keys.worker("stale-batch"), "state") == b"idle",
+        10,
+        what="the stale worker to serve again",
+    )

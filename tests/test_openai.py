@@ -152,3 +152,16 @@ def test_a_refusal_leaves_no_task_behind(
     )
     assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
     assert r.llen("rq:queue:interactive") == 0
+
+
+def test_a_key_without_the_class_is_refused(
+    redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]
+) -> None:
+    publish_catalog(r, "worker.tasks.embed")
+    batch_only = tenant("bulk", KEY, classes=["batch"])
+    api = api_factory(make_settings(redis_url, tenants=[batch_only]))
+    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key=KEY, max_retries=0)
+    with client, pytest.raises(openai.PermissionDeniedError) as raised:
+        client.embeddings.create(model=MODEL, input="x")
+    assert raised.value.status_code == 403
+    assert r.llen("rq:queue:interactive") == 0

@@ -22,7 +22,15 @@ from pydantic import BaseModel, ValidationError
 from dispatcher.contract.jobs import CallRefused, decode_call
 from dispatcher.contract.settings import Settings
 from worker.broker import Claimed
-from worker.execute import GpuFault, Outcome, Runner, RunningTask, TaskHandback, canceled
+from worker.execute import (
+    GpuFault,
+    LeaseLost,
+    Outcome,
+    Runner,
+    RunningTask,
+    TaskHandback,
+    canceled,
+)
 from worker.gpu.health import free_cached_memory
 from worker.registry import (
     Batch,
@@ -148,7 +156,9 @@ class BatchRunner:
             return False
         except TaskCanceled:
             return False  # the canceled items end at the top of the next round
-        except (TaskHandback, GpuFault) as exc:
+        except (TaskHandback, GpuFault, LeaseLost) as exc:
+            # Hand-back and GPU fault: every unfinished item goes back; a lost lease (the
+            # reaper already gave them all back): none is reported.
             outcome = self.runner.interrupted(exc, lead.claimed)
             for item in pending:
                 item.outcome = outcome

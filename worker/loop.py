@@ -237,7 +237,8 @@ class WorkerLoop:
                 # Redis full or read-only: the report was refused whole; keep the
                 # outcome and retry (the heartbeat keeps the lease meanwhile).
                 self.state.set("busy", f"{_why(exc)}; holding a task's outcome")
-                self._wait_out(exc)
+                if self._abandon(exc):  # stopping past the grace: the lease hands it on
+                    return None
                 continue
             except RedisError as exc:
                 if refused(exc):

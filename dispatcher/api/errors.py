@@ -30,7 +30,6 @@ from redis.exceptions import (
     OutOfMemoryError,
     ReadOnlyError,
     RedisError,
-    ResponseError,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -38,6 +37,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dispatcher.api.store import NotReplicated
+from dispatcher.contract.connect import refused
 
 __all__ = [
     "FULL_RETRY_AFTER_S",
@@ -135,7 +135,7 @@ def store_error(exc: RedisError) -> ApiError:
     elif isinstance(exc, ReadOnlyError):
         message = "The task store (Redis) is read-only (a replica?); retry shortly."
         log.warning("redis is read-only: %s", exc)
-    elif isinstance(exc, ResponseError):
+    elif refused(exc):
         message = "The task store refused the operation; it has been logged. Retry shortly."
         log.error("redis refused a command or script (a bug)", exc_info=exc)
     else:

@@ -45,14 +45,19 @@ class ReplicaLag(ConnectionError):
 # Redis is unreachable or switching masters: wait and retry. (ReadOnlyError: a demoted
 # master still answering; MasterDownError: a replica lost its master.)
 OUTAGE = (ConnectionError, TimeoutError, BusyLoadingError, ReadOnlyError, MasterDownError)
+# Error replies that a healthy Redis gives while it cannot write for now.
+_TRANSIENT_REPLIES = ("NOREPLICAS", "MISCONF", "MASTERDOWN", "LOADING", "READONLY", "TRYAGAIN")
 
 
 def refused(exc: RedisError) -> bool:
     """True when Redis refused the command itself (a script error), which retrying
     would only repeat; False for an outage or a failover in progress (a demoted master
-    answering READONLY, a replica without its master) or a full Redis (maxmemory),
-    which waiting cures."""
-    return isinstance(exc, ResponseError) and not isinstance(exc, (*OUTAGE, OutOfMemoryError))
+    answering READONLY, a replica without its master, NOREPLICAS from a master missing
+    its replicas), a full Redis (maxmemory) or a failed disk write (MISCONF), which
+    waiting cures."""
+    if not isinstance(exc, ResponseError) or isinstance(exc, (*OUTAGE, OutOfMemoryError)):
+        return False
+    return not str(exc).startswith(_TRANSIENT_REPLIES)
 
 
 def _sentinels(settings: Settings) -> list[tuple[str, int]]:

@@ -175,7 +175,8 @@ class Settings(BaseSettings):
         ge=0,
         le=16,
         description="POST /tasks answers 202 only once this many replicas hold the task "
-        "(Redis WAIT); else 503 store_unavailable. 0: no wait.",
+        "(Redis WAIT), else 503 store_unavailable; workers' claims and reports wait the "
+        "same way and are retried. 0: no wait.",
     )
     replica_ack_timeout_s: float = Field(
         1.0, gt=0, le=60, description="How long POST /tasks waits for those replica acks."

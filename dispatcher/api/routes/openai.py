@@ -17,16 +17,17 @@ import base64
 import json
 import math
 import struct
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from dispatcher.api.auth import Principal
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_error
-from dispatcher.api.store import Submission
+from dispatcher.api.store import NotReplicated, Submission, SubmitResult
 from dispatcher.api.submission import limited_body
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, TaskStatus
@@ -38,8 +39,17 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 MAX_INPUTS = 2048
 _ENCODINGS = ("float", "base64")
 _FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
-# A failed item's code -> the HTTP status of the whole request.
-_ITEM_STATUS = {"invalid_args": 400, "refused": 400, "canceled": 499}
+# A failed item's code -> the HTTP status of the whole request: the client's input
+# (400), the pool losing the worker (503, worth a retry), or the model failing on it
+# (502: the upstream, here the worker, failed).
+_ITEM_STATUS = {
+    "invalid_args": 400,
+    "refused": 400,
+    "worker_lost": 503,
+    "gpu_fault": 503,
+    "timeout": 503,
+    "canceled": 503,
+}
 
 
 def _invalid(message: str, param: str | None = None) -> ApiError:
@@ -59,6 +69,7 @@ _TYPES = {
     "model_not_found": "invalid_request_error",
     "invalid_request": "invalid_request_error",
     "payload_too_large": "invalid_request_error",
+    "forbidden": "permission_error",
 }
 
 
@@ -76,6 +87,15 @@ def _openai_error(exc: ApiError, request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
+def _store_error(exc: RedisError | NotReplicated, request: Request) -> ApiError:
+    if isinstance(exc, NotReplicated):
+        message = "The task store could not confirm the tasks on its replicas; retry."
+        return ApiError(503, "store_unavailable", message, headers={"Retry-After": "2"})
+    if isinstance(exc, OutOfMemoryError):  # GET /health reports it for a while
+        request.app.state.redis_full_at = time.monotonic()
+    return store_error(exc)
+
+
 @router.get("/models", summary="Models served by the pool (OpenAI shape)")
 async def list_models(request: Request) -> JSONResponse:
     svc = services(request)
@@ -84,8 +104,8 @@ async def list_models(request: Request) -> JSONResponse:
         models = await _models(svc)
     except ApiError as exc:
         return _openai_error(exc, request)
-    except RedisError as exc:
-        return _openai_error(store_error(exc), request)
+    except (RedisError, NotReplicated) as exc:
+        return _openai_error(_store_error(exc, request), request)
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": "gpulane"}
         for model in sorted(models)
@@ -142,6 +162,9 @@ async def _submit_all(
 ) -> list[str]:
     """Submit one task per input; on any refusal cancel those already accepted."""
     cls = svc.settings.openai_task_class
+    if not principal.may_use(cls):
+        message = f"This key may not use class {cls!r}, which serves /v1/embeddings."
+        raise ApiError(403, "forbidden", message)
     state = (await svc.pool.cached()).classes[cls]
     if state.workers == 0:  # the cached snapshot may predate a worker that just came up
         state = (await svc.pool.snapshot()).classes[cls]
@@ -151,9 +174,19 @@ async def _submit_all(
         Submission(task_type, cls, {"text": t}, timeout_s, principal.tenant, max_in_flight=quota)
         for t in texts
     ]
-    results = await asyncio.gather(*(svc.store.submit(sub, state) for sub in subs))
-    accepted = [r.task_id for r in results if r.verdict == "accepted"]
-    refused = next((r for r in results if r.verdict != "accepted"), None)
+    results = await asyncio.gather(
+        *(svc.store.submit(sub, state) for sub in subs), return_exceptions=True
+    )
+    accepted = [
+        r.task_id for r in results if isinstance(r, SubmitResult) and r.verdict == "accepted"
+    ]
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:  # Redis failed under some of them: none may run unread
+        await _cancel(svc, accepted, principal)
+        raise failed
+    refused = next(
+        (r for r in results if isinstance(r, SubmitResult) and r.verdict != "accepted"), None
+    )
     if refused is not None:
         await _cancel(svc, accepted, principal)
         svc.recorder.count("rejected", cls, refused.verdict)
@@ -181,10 +214,11 @@ def _item_error(record: dict[str, Any], index: int) -> ApiError:
     error = record.get("error") or {}
     code = str(error.get("code", "task_error"))
     message = f"input[{index}]: {error.get('message', 'failed')}"
-    status = _ITEM_STATUS.get(code, 503)
-    if status == 503:
-        return ApiError(503, "store_unavailable", message, headers={"Retry-After": "1"})
-    return ApiError(status, "invalid_request", message, param="input")
+    status = _ITEM_STATUS.get(code, 502)
+    if status == 400:
+        return ApiError(400, "invalid_request", message, param="input")
+    headers = {"Retry-After": "1"} if status == 503 else {}
+    return ApiError(status, code, message, headers=headers)
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -200,8 +234,8 @@ async def embeddings(request: Request) -> JSONResponse:
         return await _embeddings(request)
     except ApiError as exc:
         return _openai_error(exc, request)
-    except RedisError as exc:  # the same 503 as every route, in OpenAI's body
-        return _openai_error(store_error(exc), request)
+    except (RedisError, NotReplicated) as exc:  # the same 503 as every route, OpenAI's body
+        return _openai_error(_store_error(exc, request), request)
 
 
 async def _embeddings(request: Request) -> JSONResponse:
@@ -220,7 +254,11 @@ async def _embeddings(request: Request) -> JSONResponse:
     ids = await _submit_all(svc, principal, models[model], texts)
     scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
     work = asyncio.gather(*(svc.waiters.until_final(i, scope, timeout_s) for i in ids))
-    records = await unless_disconnected(request.receive, _all(work))
+    try:
+        records = await unless_disconnected(request.receive, _all(work))
+    except RedisError:
+        await _cancel(svc, ids, principal)
+        raise
     if records is None:  # the client left: its tasks would only burn GPU time
         await _cancel(svc, ids, principal)
         raise ApiError(499, "client_closed", "The client closed the request.")

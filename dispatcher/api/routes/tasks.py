@@ -7,12 +7,14 @@ is in :mod:`dispatcher.api.routes.events`.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 
 from dispatcher.api import admission
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
@@ -26,6 +28,7 @@ from dispatcher.contract.jobs import FINAL
 __all__ = ["router"]
 
 router = APIRouter()
+log = logging.getLogger("gpulane.api")
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}")
 _MAX_WAIT_PARAM = 32  # characters of ?wait= worth parsing
@@ -238,9 +241,15 @@ async def submit_task(request: Request) -> JSONResponse:
 async def _wait_final(
     request: Request, svc: Services, task_id: str, scope: str | None, wait_s: float
 ) -> dict[str, Any] | None:
-    """The record once final within ``wait_s``, else None (also if the client left)."""
+    """The record once final within ``wait_s``, else None (also if the client left, or
+    Redis failed meanwhile: the task is accepted, so the answer is the usual 202 with
+    its id, never a 503 that would invite a duplicate submit)."""
     work = svc.waiters.until_final(task_id, scope, wait_s)
-    record = await unless_disconnected(request.receive, work)
+    try:
+        record = await unless_disconnected(request.receive, work)
+    except RedisError as exc:
+        log.warning("Prefer: wait gave up on %s: %s", task_id, exc)
+        return None
     return record if record is not None and record["status"] in FINAL else None
 
 
