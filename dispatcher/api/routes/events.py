@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 
 from dispatcher.api.deps import caller, extra_headers, services
-from dispatcher.api.errors import ApiError
+from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.waiters import Waiters
 
 __all__ = ["router", "sse"]
@@ -57,7 +57,13 @@ async def _stream(
     "/tasks/{task_id}/events",
     tags=["tasks"],
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses={
+        200: {
+            "description": "The task's changes, then `final`.",
+            "content": {"text/event-stream": {}},
+        },
+        **error_responses(401, 404, 429, 503),
+    },
 )
 async def task_events(task_id: str, request: Request) -> StreamingResponse:
     """Server-Sent Events: `status`, `progress`, then `final` with the record; closes."""

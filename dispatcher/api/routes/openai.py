@@ -96,7 +96,75 @@ def _store_error(exc: RedisError | NotReplicated, request: Request) -> ApiError:
     return store_error(exc)
 
 
-@router.get("/models", summary="Models served by the pool (OpenAI shape)")
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "string"},
+            },
+        }
+    },
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses for these statuses, with OpenAI's error body."""
+    content = {"application/json": {"schema": _ERROR}}
+    return {
+        s: {"description": "An error, in OpenAI's shape.", "content": content} for s in statuses
+    }
+
+
+MODEL_EXAMPLE = "sentence-transformers/all-MiniLM-L6-v2"
+_TEXT = {"type": "string", "minLength": 1, "maxLength": 8192}
+_EMBEDDINGS_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["model", "input"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "model": {
+                            "type": "string",
+                            "example": "sentence-transformers/all-MiniLM-L6-v2",
+                        },
+                        "input": {
+                            "oneOf": [
+                                _TEXT,
+                                {
+                                    "type": "array",
+                                    "items": _TEXT,
+                                    "minItems": 1,
+                                    "maxItems": MAX_INPUTS,
+                                },
+                            ]
+                        },
+                        "encoding_format": {"type": "string", "enum": list(_ENCODINGS)},
+                        "dimensions": {"type": "integer"},
+                        "user": {"type": "string"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.get(
+    "/models",
+    summary="Models served by the pool (OpenAI shape)",
+    responses=_errors(401, 429, 503),
+)
 async def list_models(request: Request) -> JSONResponse:
     svc = services(request)
     try:
@@ -227,7 +295,12 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-@router.post("/embeddings", summary="Embeddings (OpenAI shape)")
+@router.post(
+    "/embeddings",
+    summary="Embeddings (OpenAI shape)",
+    openapi_extra=_EMBEDDINGS_BODY,
+    responses=_errors(400, 401, 403, 404, 413, 429, 499, 502, 503, 504),
+)
 async def embeddings(request: Request) -> JSONResponse:
     """One task per input, in class `openai_class`; answers when all have ended."""
     try:

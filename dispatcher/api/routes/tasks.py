@@ -280,6 +280,7 @@ def _not_found(task_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
 
 
+_WAIT_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,6})?$"
 _WAIT_DOC = (
     "Seconds to wait for the task to be final (0 to wait_max_s, default 60; longer is "
     "clamped). Answers the moment it is final, else with the live record after them."
@@ -295,7 +296,10 @@ _WAIT_DOC = (
 async def get_task(
     task_id: str,
     request: Request,
-    wait: str | None = Query(None, description=_WAIT_DOC),  # parsed here: 400, not 422
+    # Parsed here (400, not 422); the pattern tells clients and schema checkers its form.
+    wait: str | None = Query(
+        None, description=_WAIT_DOC, json_schema_extra={"pattern": _WAIT_PATTERN}
+    ),
 ) -> JSONResponse:
     """The task record: status, position, progress, result or error, timings. With
     `?wait=N`: as soon as the task is final, or as it is after N seconds."""
