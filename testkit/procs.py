@@ -87,8 +87,13 @@ def publish_catalog(client: redis.Redis, *modules: str) -> None:
 
     for module in modules:
         importlib.import_module(module)
-    for name, entry in REGISTRY.catalog().items():
-        client.hset(keys.CATALOG, name, json.dumps(entry))
+    # Exactly these modules' types: the registry is process-wide, and a module another
+    # test imported earlier must not leak its types into this catalog.
+    wanted = {"worker.tasks.builtin", *modules}
+    for name in REGISTRY.names():
+        spec = REGISTRY.get(name)
+        if spec is not None and spec.handler.__module__ in wanted:
+            client.hset(keys.CATALOG, name, json.dumps(spec.catalog_entry()))
 
 
 class RedisServer:

@@ -28,14 +28,17 @@ _PUBLIC = {"/", "/health"}  # no key needed even when keys are configured
 
 
 def _json_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
+    args = _args(info)
+    # A type whose args have required fields needs `args` (absent means {}).
+    required = ["type", "args"] if args.get("required") else ["type"]
     return {
         "type": "object",
         "additionalProperties": False,
-        "required": ["type"],
+        "required": required,
         "properties": {
             "type": {"const": info.name, "description": info.description},
             "class": _class(settings),
-            "args": _args(info),
+            "args": args,
             "timeout_s": {
                 "anyOf": [
                     {"type": "number", "exclusiveMinimum": 0, "maximum": settings.max_timeout_s},

@@ -31,7 +31,9 @@ router = APIRouter()
 log = logging.getLogger("gpulane.api")
 
 _DELTA_SECONDS = re.compile(r"[0-9]{1,9}")
-_MAX_WAIT_PARAM = 32  # characters of ?wait= worth parsing
+# ?wait= as the OpenAPI schema declares it; anything else is a 400.
+_WAIT_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,6})?$"
+_WAIT_FORM = re.compile(_WAIT_PATTERN)
 
 _SUBMIT_BODY: dict[str, Any] = {
     "requestBody": {
@@ -84,18 +86,14 @@ def prefer_wait(values: list[str], max_s: float) -> int | None:
 
 
 def query_wait(raw: str | None, max_s: float) -> float:
-    """``?wait=N``: seconds to wait (0: none), clamped to ``max_s``; 400 when not a
-    finite number ≥ 0."""
+    """``?wait=N``: seconds to wait (0: none), clamped to ``max_s``; 400 unless it is a
+    plain decimal number (the schema's pattern: digits, optionally a fraction)."""
     if raw is None:
         return 0.0
-    try:
-        seconds = float(raw) if len(raw) <= _MAX_WAIT_PARAM else math.nan
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
+    if not _WAIT_FORM.fullmatch(raw):
         message = f"wait must be a number of seconds, 0 to {max_s:g}; got {raw[:40]!r}."
         raise ApiError(400, "invalid_request", message)
-    return min(seconds, max_s)
+    return min(float(raw), max_s)
 
 
 _ACCEPTED = {
@@ -280,7 +278,6 @@ def _not_found(task_id: str) -> ApiError:
     return ApiError(404, "not_found", f"No task {task_id[:64]!r}.")
 
 
-_WAIT_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,6})?$"
 _WAIT_DOC = (
     "Seconds to wait for the task to be final (0 to wait_max_s, default 60; longer is "
     "clamped). Answers the moment it is final, else with the live record after them."
