@@ -20,8 +20,6 @@ the same trace as references. Latency is end to end: created -> ended (Redis clo
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +27,11 @@ from typing import Any
 import redis
 
 from bench import trace as tr
-from bench.glside import Submitter, gl_done, records
+from bench.glside import Submitter
 from bench.harness import Stack, classes_json
+from bench.replay import replay_systems
 from bench.report import Report, Table, Target, figure, save
 from dispatcher.contract import keys
-from testkit import wait_for
 
 SYSTEMS = ("pull", "rr", "lc")
 LABELS = {
@@ -112,53 +110,11 @@ class System:
 
 
 # -- measuring ----------------------------------------------------------------------
-def _replay(system: System, trace: tr.Trace, t0: float, out: dict[str, Any]) -> None:
-    sent = []
-    for arrival, service in zip(trace.arrivals, trace.services, strict=True):
-        delay = t0 + arrival - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        sent.append(system.submit(service))
-    out[system.kind] = sent
-
-
-def _tasks(system: System, sent: list[tuple[str, int]]) -> list[tr.Task]:
-    ids = [task_id for task_id, _ in sent]
-    rows = records(system.client, ids)
-    t0 = min(r["created_ms"] for r in rows)
-    return [
-        tr.Task(
-            created=(r["created_ms"] - t0) / 1000,
-            started=(r["started_ms"] - t0) / 1000,
-            ended=(r["ended_ms"] - t0) / 1000,
-            worker=system.names.index(r["worker"]),
-            queue=k,
-        )
-        for r, (_, k) in zip(rows, sent, strict=True)
-    ]
 
 
 def replay_all(systems: list[System], trace: tr.Trace) -> dict[str, list[tr.Task]]:
     """Replay ``trace`` through every system at once; their tasks once all ended."""
-    sent: dict[str, Any] = {}
-    t0 = time.monotonic() + 0.1
-    threads = [
-        threading.Thread(target=_replay, args=(system, trace, t0, sent)) for system in systems
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    limit = 60 + 4 * sum(trace.services) / trace.workers
-    out = {}
-    for system in systems:
-        _wait_done(system, [task_id for task_id, _ in sent[system.kind]], limit)
-        out[system.kind] = _tasks(system, sent[system.kind])
-    return out
-
-
-def _wait_done(system: System, ids: list[str], limit_s: float) -> None:
-    wait_for(lambda: gl_done(system.client, ids), limit_s, "the trace", interval_s=0.1)
+    return replay_systems(systems, trace, 60 + 4 * sum(trace.services) / trace.workers)
 
 
 def measure(size: Size) -> dict[float, dict[str, Any]]:

@@ -30,8 +30,6 @@ ended (Redis clock); a worker's idle share is the part of the run it ran nothing
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,11 +39,11 @@ import redis
 
 from bench import hetero
 from bench import trace as tr
-from bench.glside import Submitter, gl_done, records
+from bench.glside import Submitter
 from bench.harness import Stack, classes_json
+from bench.replay import replay_systems
 from bench.report import Report, Table, Target, figure, pct, save
 from dispatcher.contract import keys
-from testkit import wait_for
 
 SYSTEMS = ("pull", "rr", "lc", "ll")
 LABELS = {
@@ -186,57 +184,17 @@ class System:
 
 
 # -- measuring ----------------------------------------------------------------------
-def _replay(system: System, trace: tr.Trace, t0: float, out: dict[str, Any]) -> None:
-    sent = []
-    for arrival, service in zip(trace.arrivals, trace.services, strict=True):
-        delay = t0 + arrival - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        sent.append(system.submit(service))
-    out[system.kind] = sent
-
-
-def _tasks(system: System, sent: list[tuple[str, int]]) -> list[tr.Task]:
-    rows = records(system.client, [task_id for task_id, _ in sent])
-    t0 = min(r["created_ms"] for r in rows)
-    return [
-        tr.Task(
-            created=(r["created_ms"] - t0) / 1000,
-            started=(r["started_ms"] - t0) / 1000,
-            ended=(r["ended_ms"] - t0) / 1000,
-            worker=system.names.index(r["worker"]),
-            queue=k,
-        )
-        for r, (_, k) in zip(rows, sent, strict=True)
-    ]
 
 
 def replay_all(systems: list[System], trace: tr.Trace, size: Size) -> dict[str, list[tr.Task]]:
     """Replay ``trace`` through every system at once; their tasks once all ended."""
-    sent: dict[str, Any] = {}
     for system in systems:
         system.pending = []
         if system.router is not None:
             system.router = hetero.Router(system.kind, system.workers)
-    t0 = time.monotonic() + 0.1
-    threads = [
-        threading.Thread(target=_replay, args=(system, trace, t0, sent)) for system in systems
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
     # Lowest latency can pile nearly everything on one worker, a slow one at worst.
     limit = 60 + size.slowdown * sum(trace.services)
-    out = {}
-    for system in systems:
-        _wait_done(system, [task_id for task_id, _ in sent[system.kind]], limit)
-        out[system.kind] = _tasks(system, sent[system.kind])
-    return out
-
-
-def _wait_done(system: System, ids: list[str], limit_s: float) -> None:
-    wait_for(lambda: gl_done(system.client, ids), limit_s, "the trace", interval_s=0.1)
+    return replay_systems(systems, trace, limit)
 
 
 def models(trace: tr.Trace, size: Size) -> dict[str, list[tr.Task]]:
