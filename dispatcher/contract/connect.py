@@ -85,21 +85,26 @@ def _sentinel_kwargs(settings: Settings, timeout_s: float) -> dict[str, Any]:
     return kwargs
 
 
+def _sentinel_args(settings: Settings, socket_timeout: float, connect_timeout: float) -> Any:
+    """Positional and keyword arguments of redis-py's Sentinel (sync and asyncio)."""
+    return (_sentinels(settings),), {
+        "sentinel_kwargs": _sentinel_kwargs(settings, connect_timeout),
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+        **_master_auth(settings),
+    }
+
+
 def sync_client(settings: Settings, *, socket_timeout: float, connect_timeout: float) -> Redis:
     """A client of the shared Redis (workers, ops tools)."""
+    timeouts: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+    }
     if not settings.redis_sentinels:
-        return Redis.from_url(
-            settings.redis_url_or_default,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout,
-        )
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        _sentinels(settings),
-        sentinel_kwargs=_sentinel_kwargs(settings, connect_timeout),
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=connect_timeout,
-        **_master_auth(settings),
-    )
+        return Redis.from_url(settings.redis_url_or_default, **timeouts)
+    args, kwargs = _sentinel_args(settings, socket_timeout, connect_timeout)
+    sentinel = Sentinel(*args, **kwargs)  # type: ignore[no-untyped-call]
     client: Redis = sentinel.master_for(settings.redis_sentinel_master)  # type: ignore[no-untyped-call]
     return client
 
@@ -108,19 +113,14 @@ def async_client(
     settings: Settings, *, socket_timeout: float, connect_timeout: float
 ) -> AsyncRedis:
     """An asyncio client of the shared Redis (the API)."""
+    timeouts: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": connect_timeout,
+    }
     if not settings.redis_sentinels:
-        return AsyncRedis.from_url(
-            settings.redis_url_or_default,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=connect_timeout,
-        )
-    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
-        _sentinels(settings),
-        sentinel_kwargs=_sentinel_kwargs(settings, connect_timeout),
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=connect_timeout,
-        **_master_auth(settings),
-    )
+        return AsyncRedis.from_url(settings.redis_url_or_default, **timeouts)
+    args, kwargs = _sentinel_args(settings, socket_timeout, connect_timeout)
+    sentinel = AsyncSentinel(*args, **kwargs)  # type: ignore[no-untyped-call]
     client: AsyncRedis = sentinel.master_for(settings.redis_sentinel_master)
     return client
 

@@ -134,10 +134,7 @@ _EMBEDDINGS_BODY: dict[str, Any] = {
                     "required": ["model", "input"],
                     "additionalProperties": False,
                     "properties": {
-                        "model": {
-                            "type": "string",
-                            "example": "sentence-transformers/all-MiniLM-L6-v2",
-                        },
+                        "model": {"type": "string", "example": MODEL_EXAMPLE},
                         "input": {
                             "oneOf": [
                                 _TEXT,
