@@ -48,6 +48,7 @@ __all__ = [
     "error_responses",
     "install_error_handlers",
     "store_error",
+    "store_failure",
 ]
 
 log = logging.getLogger("gpulane.api")
@@ -144,6 +145,22 @@ def store_error(exc: RedisError) -> ApiError:
     return ApiError(503, "store_unavailable", message, headers={"Retry-After": str(retry)})
 
 
+def store_failure(exc: RedisError | NotReplicated, request: Request) -> ApiError:
+    """The 503 for a store failure seen while answering ``request``: a Redis error, or a
+    submit its replicas did not confirm. A full Redis is remembered for GET /health."""
+    if isinstance(exc, NotReplicated):
+        log.warning("submit not confirmed by replicas: %s", exc)
+        message = (
+            "The task store could not confirm the task on its replicas in time; "
+            "resubmit with the same Idempotency-Key."
+        )
+        headers = {"Retry-After": str(STORE_RETRY_AFTER_S)}
+        return ApiError(503, "store_unavailable", message, headers=headers)
+    if isinstance(exc, OutOfMemoryError):
+        request.app.state.redis_full_at = time.monotonic()
+    return store_error(exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -177,23 +194,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RedisError)
     async def store_down(request: Request, exc: RedisError) -> JSONResponse:
-        if isinstance(exc, OutOfMemoryError):  # GET /health reports it for a while
-            request.app.state.redis_full_at = time.monotonic()
-        return _response(store_error(exc), request)
+        return _response(store_failure(exc, request), request)
 
     @app.exception_handler(NotReplicated)
-    async def not_replicated(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("submit not confirmed by replicas: %s", exc)
-        return _response(
-            ApiError(
-                503,
-                "store_unavailable",
-                "The task store could not confirm the task on its replicas in time; "
-                "resubmit with the same Idempotency-Key.",
-                headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
-            ),
-            request,
-        )
+    async def not_replicated(request: Request, exc: NotReplicated) -> JSONResponse:
+        return _response(store_failure(exc, request), request)
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(request: Request, exc: ClientDisconnect) -> JSONResponse:

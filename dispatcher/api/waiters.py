@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
 from redis.asyncio import Redis
@@ -252,7 +252,7 @@ async def _disconnect(receive: Receive) -> None:
             return
 
 
-async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None (and ``work`` canceled, its watch gone) as soon as the
     client disconnects. Call it once the request body has been read."""
     job = asyncio.ensure_future(work)

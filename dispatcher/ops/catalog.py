@@ -12,11 +12,11 @@ import json
 import subprocess
 import sys
 
-from redis import Redis
 from redis.exceptions import RedisError
 
 from dispatcher.contract import keys
 from dispatcher.contract.catalog import CatalogError, catalog_command, parse_catalog
+from dispatcher.contract.connect import sync_client
 from dispatcher.contract.exits import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 from dispatcher.contract.settings import Settings
 
@@ -43,7 +43,7 @@ def publish_catalog(settings: Settings, modules: list[str], print_only: bool) ->
     if print_only:
         print(json.dumps({k: json.loads(v) for k, v in entries.items()}, indent=2))
         return EXIT_OK
-    client = Redis.from_url(settings.redis_url_or_default, socket_timeout=10)
+    client = sync_client(settings, socket_timeout=10, connect_timeout=3)
     try:
         if entries:
             client.hset(keys.CATALOG, mapping=entries)  # type: ignore[arg-type]

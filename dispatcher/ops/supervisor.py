@@ -46,7 +46,6 @@ __all__ = ["Supervisor", "UpError", "read_up_file"]
 # operator's kill) is restarted at once and resets the count.
 HEALTHY_AFTER_S = 2.0
 CRASH_LIMIT = 5
-BACKOFF_CAP_S = 30.0
 UP_FILE = "up.json"
 
 
@@ -101,7 +100,8 @@ class Child:
         if self.quick_exits >= CRASH_LIMIT:
             self.given_up = True
             return False
-        self.restart_at = now + min(0.5 * 2 ** (self.quick_exits - 1), BACKOFF_CAP_S)
+        # 0.5, 1, 2, 4 s: CRASH_LIMIT quick exits end it before any longer delay.
+        self.restart_at = now + 0.5 * 2 ** (self.quick_exits - 1)
         return True
 
 

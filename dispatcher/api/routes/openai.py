@@ -15,18 +15,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import math
 import struct
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import RedisError
 
 from dispatcher.api.auth import Principal
 from dispatcher.api.deps import Services, caller, extra_headers, services
-from dispatcher.api.errors import ApiError, store_error
+from dispatcher.api.errors import ApiError, store_failure
+from dispatcher.api.routes.tasks import refusal
 from dispatcher.api.store import NotReplicated, Submission, SubmitResult
 from dispatcher.api.submission import limited_body
 from dispatcher.api.waiters import unless_disconnected
@@ -44,7 +43,6 @@ _FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 # (502: the upstream, here the worker, failed).
 _ITEM_STATUS = {
     "invalid_args": 400,
-    "refused": 400,
     "worker_lost": 503,
     "gpu_fault": 503,
     "timeout": 503,
@@ -56,10 +54,14 @@ def _invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, "invalid_request", message, param=param)
 
 
-async def _models(svc: Services) -> dict[str, str]:
-    """model id -> the task type that serves it, from the published catalog."""
-    await svc.catalog.refresh()
-    return svc.catalog.models()
+async def _models(svc: Services, wanted: str | None = None) -> dict[str, str]:
+    """model id -> the task type that serves it, from the catalog the maintenance loop
+    keeps fresh; read afresh only when ``wanted`` is missing (a worker that just came)."""
+    models = svc.catalog.models()
+    if wanted is None or wanted not in models:
+        await svc.catalog.refresh()
+        models = svc.catalog.models()
+    return models
 
 
 # gpulane error code -> OpenAI's error type.
@@ -85,15 +87,6 @@ def _openai_error(exc: ApiError, request: Request) -> JSONResponse:
     }
     headers = {**extra_headers(request), **exc.headers}
     return JSONResponse(body, status_code=exc.status, headers=headers)
-
-
-def _store_error(exc: RedisError | NotReplicated, request: Request) -> ApiError:
-    if isinstance(exc, NotReplicated):
-        message = "The task store could not confirm the tasks on its replicas; retry."
-        return ApiError(503, "store_unavailable", message, headers={"Retry-After": "2"})
-    if isinstance(exc, OutOfMemoryError):  # GET /health reports it for a while
-        request.app.state.redis_full_at = time.monotonic()
-    return store_error(exc)
 
 
 _ERROR = {
@@ -170,7 +163,7 @@ async def list_models(request: Request) -> JSONResponse:
     except ApiError as exc:
         return _openai_error(exc, request)
     except (RedisError, NotReplicated) as exc:
-        return _openai_error(_store_error(exc, request), request)
+        return _openai_error(store_failure(exc, request), request)
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": "gpulane"}
         for model in sorted(models)
@@ -209,19 +202,6 @@ async def _body(request: Request, svc: Services) -> dict[str, Any]:
     return body
 
 
-def _refusal(verdict: str, retry_s: int) -> ApiError:
-    headers = {"Retry-After": str(retry_s)}
-    if verdict == "over_quota":
-        message = "Your key has too many tasks queued or running; retry later."
-        return ApiError(429, "rate_limited", message, headers=headers)
-    message = (
-        "The pool is overloaded; retry later."
-        if verdict == "queue_full"
-        else ("No worker serves this model right now; retry later.")
-    )
-    return ApiError(503, verdict, message, headers=headers)
-
-
 async def _submit_all(
     svc: Services, principal: Principal, task_type: str, texts: list[str]
 ) -> list[str]:
@@ -234,6 +214,8 @@ async def _submit_all(
     if state.workers == 0:  # the cached snapshot may predate a worker that just came up
         state = (await svc.pool.snapshot()).classes[cls]
     quota = principal.config.max_in_flight if principal.config else 0
+    if quota and len(texts) > quota:  # no retry could ever fit it
+        raise _invalid(f"'input' has {len(texts)} items; this key's max_in_flight is {quota}.")
     timeout_s = svc.settings.class_timeout_s(cls)
     subs = [
         Submission(task_type, cls, {"text": t}, timeout_s, principal.tenant, max_in_flight=quota)
@@ -245,6 +227,8 @@ async def _submit_all(
     accepted = [
         r.task_id for r in results if isinstance(r, SubmitResult) and r.verdict == "accepted"
     ]
+    for _ in accepted:  # counted before any cancel below counts them as finished
+        svc.recorder.count("submitted", cls, task_type)
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:  # Redis failed under some of them: none may run unread
         await _cancel(svc, accepted, principal)
@@ -255,14 +239,8 @@ async def _submit_all(
     if refused is not None:
         await _cancel(svc, accepted, principal)
         svc.recorder.count("rejected", cls, refused.verdict)
-        raise _refusal(refused.verdict, max(math.ceil(state.run_s), 1))
-    for _ in accepted:
-        svc.recorder.count("submitted", cls, task_type)
+        raise refusal(refused, state, subs[0])
     return accepted
-
-
-async def _all(work: asyncio.Future[list[dict[str, Any] | None]]) -> list[dict[str, Any] | None]:
-    return await work
 
 
 async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
@@ -305,7 +283,7 @@ async def embeddings(request: Request) -> JSONResponse:
     except ApiError as exc:
         return _openai_error(exc, request)
     except (RedisError, NotReplicated) as exc:  # the same 503 as every route, OpenAI's body
-        return _openai_error(_store_error(exc, request), request)
+        return _openai_error(store_failure(exc, request), request)
 
 
 async def _embeddings(request: Request) -> JSONResponse:
@@ -316,7 +294,7 @@ async def _embeddings(request: Request) -> JSONResponse:
     if fmt not in _ENCODINGS:
         raise _invalid(f"'encoding_format' must be one of {list(_ENCODINGS)}.")
     model = body.get("model")
-    models = await _models(svc)
+    models = await _models(svc, model if isinstance(model, str) else None)
     if not isinstance(model, str) or model not in models:
         name = str(model)[:100]
         raise ApiError(404, "model_not_found", f"The model {name!r} does not exist.")
@@ -325,18 +303,19 @@ async def _embeddings(request: Request) -> JSONResponse:
     scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
     work = asyncio.gather(*(svc.waiters.until_final(i, scope, timeout_s) for i in ids))
     try:
-        records = await unless_disconnected(request.receive, _all(work))
+        records = await unless_disconnected(request.receive, work)
     except RedisError:
         await _cancel(svc, ids, principal)
         raise
     if records is None:  # the client left: its tasks would only burn GPU time
         await _cancel(svc, ids, principal)
         raise ApiError(499, "client_closed", "The client closed the request.")
+    if any(record is None or record["status"] not in FINAL for record in records):
+        await _cancel(svc, ids, principal)  # every unfinished one, not only the first
+        raise ApiError(504, "timeout", "The embeddings did not finish in time.")
     data, tokens = [], 0
     for index, record in enumerate(records):
-        if record is None or record["status"] not in FINAL:
-            await _cancel(svc, ids, principal)
-            raise ApiError(504, "timeout", "The embeddings did not finish in time.")
+        assert record is not None  # checked above
         if record["status"] != TaskStatus.SUCCEEDED:
             raise _item_error(record, index)
         result = record["result"]

@@ -25,7 +25,7 @@ from dispatcher.api.submission import parse_submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL
 
-__all__ = ["router"]
+__all__ = ["refusal", "router"]
 
 router = APIRouter()
 log = logging.getLogger("gpulane.api")
@@ -142,7 +142,8 @@ def _class_headers(state: ClassState) -> dict[str, str]:
     return _backpressure(state.depth, state.estimated_wait_s, state.pressure)
 
 
-def _refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiError:
+def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiError:
+    """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings)."""
     if result.verdict == "over_quota":
         retry = max(math.ceil(state.run_s), 1)  # about when one of its tasks ends
         return ApiError(
@@ -209,7 +210,7 @@ async def submit_task(request: Request) -> JSONResponse:
         )
     if result.verdict in ("queue_full", "no_workers", "over_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
-        raise _refusal(result, state, sub)
+        raise refusal(result, state, sub)
     wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
     if wait_s is not None:
         final = await _wait_final(request, svc, result.task_id, principal.task_scope, wait_s)
