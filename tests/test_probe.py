@@ -142,7 +142,7 @@ def _probe(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_command_reads_the_health_file_setting_and_the_heartbeat(tmp_path: Path) -> None:
     path = tmp_path / "health.json"
-    _write(path, age_s=2)
+    _write(path, age_s=0)
     # Default heartbeat 1 s: the default max age is 3 s.
     assert _probe("live", GPULANE_HEALTH_FILE=str(path)).returncode == 0
     assert _probe("ready", GPULANE_HEALTH_FILE=str(path)).returncode == 0
@@ -154,7 +154,7 @@ def test_the_command_reads_the_health_file_setting_and_the_heartbeat(tmp_path: P
     # A slower heartbeat stretches the default: 3 x 2 s.
     slow = {"GPULANE_HEARTBEAT_INTERVAL_S": "2", "GPULANE_LEASE_TTL_S": "6"}
     assert _probe("live", GPULANE_HEALTH_FILE=str(path), **slow).returncode == 0
-    _write(path, age_s=1, ready=False, state="starting")
+    _write(path, age_s=0, ready=False, state="starting")
     assert _probe("live", GPULANE_HEALTH_FILE=str(path)).returncode == 0
     not_ready = _probe("ready", GPULANE_HEALTH_FILE=str(path))
     assert not_ready.returncode == 1

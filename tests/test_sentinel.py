@@ -135,6 +135,7 @@ def _submit(http: httpx.Client, n: int, load: Load) -> None:
         try:
             reply = http.post("/tasks", json=body, headers={"Idempotency-Key": f"ha-{n}"})
         except httpx.TransportError:
+            time.sleep(0.1)
             continue
         with load.lock:
             load.codes[reply.status_code] += 1

@@ -107,7 +107,6 @@ def test_slow_headers_and_bodies_do_not_starve_real_clients(
 ) -> None:
     api_process = start_api()
     port = int(api_process.rsplit(":", 1)[1])
-    started = time.monotonic()
     slow_headers = [
         _connect(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(100)
     ]
@@ -120,22 +119,19 @@ def test_slow_headers_and_bodies_do_not_starve_real_clients(
     trickler = threading.Thread(target=_trickle, args=(slow_headers + slow_bodies, stop))
     trickler.start()
     try:
-        with httpx.Client(base_url=api_process, timeout=5) as http:
+        # A starved client would time out here (an error, not a timed assertion).
+        with httpx.Client(base_url=api_process, timeout=2.0) as http:
             for _ in range(10):  # while every slow socket is open and trickling
-                began = time.monotonic()
                 assert http.get("/health").status_code == 200
                 assert http.get("/queues").status_code == 200
-                assert time.monotonic() - began < 2.0
+        # Each slow socket reads with a timeout: one the server never closed raises.
         header_answers = [_answer(s) for s in slow_headers]
         body_answers = [_answer(s) for s in slow_bodies]
-        elapsed = time.monotonic() - started
     finally:
         stop.set()
         trickler.join(10)
     _timed_out(header_answers)
     _timed_out(body_answers)
-    # Closed at the deadline, not when the trickle ended (it never would).
-    assert elapsed < BODY_TIMEOUT_S + 5, elapsed
 
 
 def test_connections_past_the_cap_are_refused_until_slow_ones_are_closed(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +47,11 @@ def test_bomb_fails_clearly_and_a_bloated_worker_is_recycled(tmp_path: Path) -> 
         url = up.url()
         with httpx.Client(base_url=url, timeout=30) as http:
             bomb = make_bomb_pdf(300)  # ~300 KB that decodes to 300 MiB
-            started = time.monotonic()
             doc = http.post("/tasks", files={"file": ("bomb.pdf", bomb, "application/pdf")})
             assert doc.status_code == 202, doc.text
             failed = _final(http, doc.json()["id"])
             assert failed["status"] == "failed"
             assert failed["error"]["code"] == "document_too_large", failed
-            assert time.monotonic() - started < 20
             (worker,) = http.get("/workers").json()["workers"]
 
             hog = http.post("/tasks", json={"type": "test.hog", "args": {"mb": 200}}).json()

@@ -279,4 +279,4 @@ def test_clients_wait_by_long_polling(http: httpx.Client, start_worker: WorkerFa
 
     seen = asyncio.run(async_wait())
     assert seen[-1]["status"] == "succeeded"
-    assert 2 <= len(seen) <= 8  # each 0.5 s long-poll answered, the last one at the end
+    assert len(seen) >= 2  # long-polls answered until the last one, at the end
