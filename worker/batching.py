@@ -41,7 +41,7 @@ from worker.registry import (
     TaskTimeout,
 )
 
-__all__ = ["BatchRunner", "Item", "batch_policies", "task_type_of"]
+__all__ = ["BatchRunner", "Item", "batch_policies"]
 
 
 def batch_policies(registry: Registry, settings: Settings) -> dict[str, Batch]:
@@ -58,15 +58,6 @@ def batch_policies(registry: Registry, settings: Settings) -> dict[str, Batch]:
             wait = wait if override.batch_max_wait_ms is None else override.batch_max_wait_ms
         out[name] = Batch(size, wait)
     return out
-
-
-def task_type_of(claimed: Claimed) -> str | None:
-    """The type a claimed job names, or None when it cannot be read (the single-task
-    path then refuses it)."""
-    try:
-        return decode_call(claimed.data).task_type
-    except CallRefused:
-        return None
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Claimed:
     created_ms: int | None
     started_ms: int
     file: bytes | None
+    task_type: str = ""  # the job hash's ``type`` (the call data says it again)
 
 
 def _text(value: bytes | str) -> str:
@@ -143,7 +144,7 @@ class Broker:
         return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]
 
     def _claimed(self, reply: list[Any]) -> Claimed:
-        task_id, cls, data, attempt, timeout, created, started, file = reply
+        task_id, cls, data, attempt, timeout, created, started, file, task_type = reply
         return Claimed(
             task_id=_text(task_id),
             cls=_text(cls),
@@ -153,6 +154,7 @@ class Broker:
             created_ms=int(created) if created else None,
             started_ms=int(started),
             file=file,
+            task_type=_text(task_type),
         )
 
     def unpark(self) -> None:

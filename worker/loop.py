@@ -19,7 +19,7 @@ from dispatcher.contract.connect import refused
 from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
-from worker.batching import BatchRunner, batch_policies, task_type_of
+from worker.batching import BatchRunner, batch_policies
 from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner, RunningTask
 from worker.handback import hand_back
@@ -92,7 +92,7 @@ class WorkerLoop:
             was_idle = False
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
-            task_type = task_type_of(claims[0])
+            task_type = claims[0].task_type  # from claim.lua: no decode to route it
             if task_type in self.batches:
                 self._execute_batch(claims, task_type)
             else:

@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from types import FrameType
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -44,7 +45,13 @@ __all__ = ["run_worker"]
 log = logging.getLogger("gpulane.worker")
 
 
-def _register(broker: Broker, state: WorkerState, settings: Settings, recorder: Recorder) -> bool:
+def _register(
+    broker: Broker,
+    state: WorkerState,
+    settings: Settings,
+    recorder: Recorder,
+    catalog: dict[str, Any] | None = None,
+) -> bool:
     """Publish the worker, waiting for Redis if need be. A name still leased by an
     earlier process (a restart after a crash) is waited out for two lease periods;
     False if it stays taken (another live worker has it)."""
@@ -52,7 +59,9 @@ def _register(broker: Broker, state: WorkerState, settings: Settings, recorder: 
     name_deadline = time.monotonic() + 2 * settings.lease_ttl_s
     while not state.stopping:
         try:
-            recovered = broker.register(state.info(), REGISTRY.catalog())
+            recovered = broker.register(
+                state.info(), REGISTRY.catalog() if catalog is None else catalog
+            )
         except RedisError as exc:
             log.warning("redis unreachable at start, retrying: %s", exc)
             time.sleep(backoff.next())
@@ -153,14 +162,17 @@ class _Worker:
         self.runner.device = self.state.device_json() or {}
         if not self.load_models():
             return 0
-        # The catalog first, while still `starting`: a heartbeat may publish the state at
-        # any moment, and nobody may see this worker idle before its types are known.
-        if not _register(self.broker, self.state, self.settings, self.recorder):
+        catalog = REGISTRY.catalog()  # pydantic schemas: built once, not per attempt
+        # The catalog first, while still `starting` (loading models already published
+        # it): a heartbeat may publish the state at any moment, and nobody may see this
+        # worker idle before its types are known.
+        register = (self.broker, self.state, self.settings, self.recorder, catalog)
+        if not REGISTRY.loaders() and not _register(*register):
             return 0  # stopped (or unhealthy, or its name taken) before it could serve
         # Ready from this registration on: published as idle now, not a heartbeat later,
         # so admission counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")
-        if not _register(self.broker, self.state, self.settings, self.recorder):
+        if not _register(*register):
             return 0
         device = self.state.device
         log.info(

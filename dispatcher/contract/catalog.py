@@ -17,8 +17,6 @@ from typing import Any
 
 __all__ = ["CatalogError", "catalog_command", "parse_catalog"]
 
-MAX_OUTPUT_BYTES = 16 * 1024 * 1024  # a catalog is a few KiB per type
-
 
 class CatalogError(RuntimeError):
     """The task modules could not be loaded or printed no catalog; the message says why."""

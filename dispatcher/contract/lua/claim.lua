@@ -56,7 +56,7 @@ local function start(id, c, f, now)
   notify(id)
   local file = false
   if f[6] == '1' then file = redis.call('GET', K.file(id)) end
-  return {id, c, f[2], attempts, f[4] or '', f[5] or '', now, file}
+  return {id, c, f[2], attempts, f[4] or '', f[5] or '', now, file, f[7] or ''}
 end
 
 -- A task of a class served before position i is queued.
@@ -125,12 +125,12 @@ if o.redeliver then
     local out = {}
     for _, id in ipairs(redis.call('LRANGE', K.inflight(w, c), 0, -1)) do
       local f = redis.call('HMGET', K.job(id), 'status', 'data', 'attempts', 'timeout_s',
-        'created_ms', 'has_file', 'worker_name', 'started_ms')
+        'created_ms', 'has_file', 'worker_name', 'started_ms', 'type')
       if f[1] == 'started' and f[7] == w then
         local file = false
         if f[6] == '1' then file = redis.call('GET', K.file(id)) end
         out[#out + 1] = {id, c, f[2], tonumber(f[3]), f[4] or '', f[5] or '',
-          tonumber(f[8]), file}
+          tonumber(f[8]), file, f[9] or ''}
       end
     end
     if #out > 0 then return out end
