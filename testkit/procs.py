@@ -181,15 +181,20 @@ class ApiServer:
 FAKE_NVML = REPO / "tests" / "support" / "fake_nvml"  # a pynvml with fake GPUs
 
 
-def fake_gpu_env(gpus: int, switches: Path | None = None) -> dict[str, str]:
+def fake_gpu_env(
+    gpus: int, switches: Path | None = None, memory_gib: list[float] | None = None
+) -> dict[str, str]:
     """Environment for a worker that sees ``gpus`` fake GPUs through the fake pynvml
-    (see its docstring); ``switches`` is the folder of lost-/hang- switch files."""
+    (see its docstring); ``switches`` is the folder of lost-/hang-/used- switch files,
+    ``memory_gib`` each card's total memory (default 80 GiB)."""
     env = {
         "PYTHONPATH": os.pathsep.join([str(FAKE_NVML), str(REPO), str(REPO / "tests" / "support")]),
         "GPULANE_FAKE_NVML": str(gpus),
     }
     if switches is not None:
         env["GPULANE_FAKE_NVML_DIR"] = str(switches)
+    if memory_gib is not None:
+        env["GPULANE_FAKE_NVML_MEMORY_GIB"] = ",".join(f"{g:g}" for g in memory_gib)
     return env
 
 

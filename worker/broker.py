@@ -108,11 +108,13 @@ class Broker:
         device_json: str,
         redeliver: bool = False,
         batch: dict[str, int] | None = None,
+        mem_mb: int | None = None,
     ) -> list[Claimed]:
         """The next task (or, for a type in ``batch`` {type: max size}, the next batch),
         moved into this worker's in-flight list; empty when there is none (the worker
         is parked). ``redeliver`` after a claim whose reply was lost returns what that
-        claim took."""
+        claim took. ``mem_mb``: GPU memory free for a task (None: no limit); tasks that
+        need more are left for other workers."""
         opts = options(
             worker=self.name,
             classes=self.classes,
@@ -121,12 +123,13 @@ class Broker:
             device=device_json,
             redeliver=redeliver,
             batch=batch or {},
+            **({} if mem_mb is None else {"mem": mem_mb}),
         )
         reply = self._run_acked("claim", opts)
         return [self._claimed(task) for task in reply or []]
 
     def claim_more(
-        self, cls: str, task_type: str, n: int, device_json: str
+        self, cls: str, task_type: str, n: int, device_json: str, mem_mb: int | None = None
     ) -> tuple[bool, list[Claimed]]:
         """Up to ``n`` more queued tasks of ``task_type`` from the head of ``cls`` for a
         short batch. Returns (stop waiting: a higher class has work or another type
@@ -139,6 +142,7 @@ class Broker:
             device=device_json,
             redeliver=False,
             more={"class": cls, "type": task_type, "n": n},
+            **({} if mem_mb is None else {"mem": mem_mb}),
         )
         reply = self._run_acked("claim", opts)
         return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]

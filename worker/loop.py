@@ -22,6 +22,7 @@ from dispatcher.contract.settings import Settings
 from worker.batching import BatchRunner, batch_policies
 from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner, RunningTask
+from worker.gpu.budget import GpuBudget
 from worker.handback import hand_back
 from worker.memory import rss_bytes
 from worker.state import WorkerState
@@ -50,6 +51,7 @@ class WorkerLoop:
         state: WorkerState,
         recorder: Recorder,
         settings: Settings,
+        gpu: GpuBudget | None = None,
     ) -> None:
         self.broker = broker
         self.runner = runner
@@ -62,13 +64,18 @@ class WorkerLoop:
         self._batch_runner = BatchRunner(runner)
         self._redeliver = False  # a claim's reply was lost: ask for what it took
         self._device = json.dumps(self.runner.device)  # recorded on each task it starts
+        self.gpu = gpu or GpuBudget(None)  # the card's memory, for placement
 
     def run(self) -> None:
         was_idle = True  # a fresh worker may sit in idle sets from an earlier life
         while not self.state.stopping:
             try:
                 claims = self.broker.claim(
-                    was_idle, self._device, self._redeliver, self._batch_sizes
+                    was_idle,
+                    self._device,
+                    self._redeliver,
+                    self._batch_sizes,
+                    self.gpu.available_mb(),
                 )
             except _REFUSED_FOR_NOW as exc:
                 # Refused whole before it ran (script flags): nothing moved. Wait for
@@ -108,7 +115,11 @@ class WorkerLoop:
         while len(claims) < policy.max_size and time.monotonic() < deadline:
             try:
                 stop, more = self.broker.claim_more(
-                    claims[0].cls, task_type, policy.max_size - len(claims), self._device
+                    claims[0].cls,
+                    task_type,
+                    policy.max_size - len(claims),
+                    self._device,
+                    self.gpu.available_mb(),
                 )
             except RedisError:
                 self._redeliver = True  # what it took (if anything) comes with the next claim

@@ -32,6 +32,7 @@ from dispatcher.contract.reaper import record_reaped
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback
+from worker.gpu.budget import GpuBudget
 from worker.gpu.claim import claim_device
 from worker.gpu.devices import Device, DeviceError, discover, pin, select
 from worker.gpu.sampler import DeviceWatch
@@ -108,6 +109,7 @@ class _Worker:
             self.broker, self.state, self.recorder, self.runner, self.interrupts, settings
         )
         self.gpu_slot: tuple[str, int] | None = None
+        self.budget = GpuBudget(None)
 
     def take_device(self, candidates: list[Device], per_gpu: int) -> int | None:
         """Claim (a GPU) and pin the device; an exit status if there is none to run on."""
@@ -123,6 +125,8 @@ class _Worker:
             ).start()
         pin(device)
         self.state.device = device
+        self.budget = GpuBudget(device, self.heartbeat.watch)
+        self.state.gpu_capacity_mb = self.budget.capacity_mb
         self.state.set("starting")
         return None
 
@@ -137,6 +141,7 @@ class _Worker:
             return False
         device = self.state.device
         target = "cuda" if device is not None and device.kind == "gpu" else "cpu"
+        self.budget.before_models()
         for model, load in loaders.items():
             started = time.monotonic()
             try:
@@ -154,6 +159,8 @@ class _Worker:
                 seconds,
                 extra={"worker": self.state.name, "elapsed_s": seconds},
             )
+        self.budget.after_models()  # what a task can have is the card less the models
+        self.state.gpu_capacity_mb = self.budget.capacity_mb
         return not self.state.stopping
 
     def serve(self, tasks: list[str]) -> int:
@@ -184,7 +191,9 @@ class _Worker:
             REGISTRY.names(),
             extra={"worker": self.state.name},
         )
-        WorkerLoop(self.broker, self.runner, self.state, self.recorder, self.settings).run()
+        WorkerLoop(
+            self.broker, self.runner, self.state, self.recorder, self.settings, self.budget
+        ).run()
         return 0
 
     def leave(self) -> None:

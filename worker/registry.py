@@ -27,6 +27,11 @@ Model tasks add two things (``worker/tasks/embed.py`` is the example)::
 - ``batch``: the handler takes a list of validated args and one context per item and
   returns one result per item, in order; an item may be a :class:`TaskFailure` (that
   item alone fails).
+
+Placement: ``gpu_memory_mb`` declares the GPU memory one call needs beyond the loaded
+models (for a batched type, one batch's). A worker takes such a task only while its
+card has that much free, and the API refuses it when no live worker's card could ever
+hold it; a request may ask for another amount (``gpu_memory_mb`` in ``POST /tasks``).
 """
 
 from __future__ import annotations
@@ -145,6 +150,7 @@ class TaskSpec:
     batch: Batch | None = None
     model: str | None = None
     load: ModelLoader | None = None
+    gpu_memory_mb: int = 0
 
     def catalog_entry(self) -> dict[str, Any]:
         """What the API needs to validate a submission, without importing the task."""
@@ -155,6 +161,8 @@ class TaskSpec:
         }
         if self.model is not None:
             entry["model"] = self.model
+        if self.gpu_memory_mb:
+            entry["gpu_memory_mb"] = self.gpu_memory_mb
         return entry
 
 
@@ -191,16 +199,22 @@ class Registry:
         batch: Batch | None = None,
         model: str | None = None,
         load: ModelLoader | None = None,
+        gpu_memory_mb: int = 0,
     ) -> Callable[[Handler], Handler]:
         """Register the decorated function as task type ``name``.
 
         ``file``: whether the task takes an uploaded document; ``retries``: how many
         times a handler exception runs it again (default none: the task fails);
         ``batch``: a batched handler (module docstring); ``model``: the model id it
-        serves (published in the catalog); ``load``: loads it once per process.
+        serves (published in the catalog); ``load``: loads it once per process;
+        ``gpu_memory_mb``: GPU memory a call needs (placement, module docstring).
         """
         if not _NAME.match(name) or len(name) > 64:
             raise ValueError(f"task name {name!r} must be dotted lowercase words")
+        if isinstance(gpu_memory_mb, bool) or not isinstance(gpu_memory_mb, int):
+            raise TypeError(f"gpu_memory_mb of {name!r} must be a whole number of MB")
+        if gpu_memory_mb < 0:
+            raise ValueError(f"gpu_memory_mb of {name!r} must be 0 or more")
 
         def register(handler: Handler) -> Handler:
             if name in self._specs and self._specs[name].handler is not handler:
@@ -209,7 +223,9 @@ class Registry:
             if batch is not None and file != "none":
                 raise ValueError(f"batched task type {name!r} cannot take files")
             args_model = _args_model(handler, batch is not None)
-            spec = TaskSpec(name, handler, args_model, doc, file, retries, batch, model, load)
+            spec = TaskSpec(
+                name, handler, args_model, doc, file, retries, batch, model, load, gpu_memory_mb
+            )
             spec.catalog_entry()  # a model without a JSON Schema fails here, not at start
             self._specs[name] = spec
             return handler

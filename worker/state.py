@@ -41,6 +41,7 @@ class WorkerState:
         self.tasks_failed = 0
         self.device_sample: dict[str, Any] = {}
         self.models: dict[str, dict[str, Any]] = {}  # model id -> {"load_s", "device"}
+        self.gpu_capacity_mb: int | None = None  # most GPU memory a task could get; None: no limit
         self.stop_requested_at: float | None = None  # monotonic
         self.unhealthy_at: float | None = None  # monotonic
         self.recycled = False  # stopping because its memory grew past max_worker_rss_mb
@@ -116,4 +117,5 @@ class WorkerState:
             "tasks_failed": str(self.tasks_failed),
             "started_ms": str(self.started_ms),
             "models": json.dumps(self.models),
+            "gpu_capacity_mb": "" if self.gpu_capacity_mb is None else str(self.gpu_capacity_mb),
         }

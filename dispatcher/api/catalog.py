@@ -44,6 +44,7 @@ class TaskTypeInfo:
     file: str  # none | optional | required
     validator: Draft202012Validator
     model: str | None = None  # the model id the type serves, when it names one
+    gpu_memory_mb: int = 0  # GPU memory a task of the type needs (its @task declaration)
 
     def errors(self, args: dict[str, Any]) -> list[str]:
         """Readable messages for ``args`` that fail the type's schema (empty: valid)."""
@@ -73,6 +74,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         file=str(entry.get("file", "none")),
         validator=Draft202012Validator(schema),
         model=str(entry["model"]) if entry.get("model") else None,
+        gpu_memory_mb=int(entry.get("gpu_memory_mb") or 0),
     )
 
 

@@ -29,6 +29,21 @@ class ClassState:
     busy_workers: int
     oldest_wait_s: float | None
     run_s: float
+    # GPU memory (MB) each live worker of the class could give a task; None: no limit.
+    capacities: tuple[int | None, ...] = ()
+
+    def fitting(self, need_mb: int) -> int:
+        """Live workers of the class whose GPU could ever hold a task needing ``need_mb``."""
+        if need_mb <= 0:
+            return self.workers
+        return sum(1 for cap in self.capacities if cap is None or cap >= need_mb)
+
+    @property
+    def largest_mb(self) -> int | None:
+        """The most GPU memory a live worker of the class offers; None: no limit (or none)."""
+        if not self.capacities or None in self.capacities:
+            return None
+        return max(cap for cap in self.capacities if cap is not None)
 
     @property
     def estimated_wait_s(self) -> float | None:
@@ -88,6 +103,7 @@ def _worker_view(
         "device": json.loads(info.get("device", "null")),
         "reason": info.get("reason") or None,
         "models": json.loads(info.get("models", "{}")),
+        "gpu_capacity_mb": int(info["gpu_capacity_mb"]) if info.get("gpu_capacity_mb") else None,
     }
 
 
@@ -100,6 +116,7 @@ class _Tally:
         self.serving = dict.fromkeys(names, 0)
         self.busy = dict.fromkeys(names, 0)
         self.running = dict.fromkeys(names, 0)
+        self.capacities: dict[str, list[int | None]] = {name: [] for name in names}
 
     def add(self, name: str, info: dict[str, str], inflight: list[Any]) -> None:
         if not info:  # reaped between the two reads
@@ -119,6 +136,7 @@ class _Tally:
             if cls in self.serving:
                 self.serving[cls] += 1
                 self.busy[cls] += current is not None
+                self.capacities[cls].append(view["gpu_capacity_mb"])
 
 
 class Pool:
@@ -184,6 +202,7 @@ class Pool:
             busy_workers=tally.busy[cls],
             oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
             run_s=total / weight if weight > 0 else self.settings.default_run_s,
+            capacities=tuple(tally.capacities[cls]),
         )
 
     async def cached(self) -> Snapshot:

@@ -55,6 +55,8 @@ class Submission:
     file_data: bytes = b""
     idempotency_key: str | None = None
     max_in_flight: int = 0  # the tenant's quota of queued + running tasks; 0: none
+    weight: float | None = None  # the tenant's fair-share weight; None: no tenant config
+    gpu_memory_mb: int = 0  # GPU memory it needs; 0: any worker can run it
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class SubmitResult:
     cls: str = ""
     task_type: str = ""
     limit: str = ""  # queue_full: the limit reached, 'depth', 'wait' or 'bytes'
+    position: int | None = None  # accepted: tasks ahead of it (fair order under fair share)
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,15 @@ def fingerprint(sub: Submission) -> str:
 
 
 def submit_options(
-    sub: Submission, cfg: ClassConfig, workers: int, run_s: float, settings: Settings
+    sub: Submission,
+    cfg: ClassConfig,
+    workers: int,
+    run_s: float,
+    settings: Settings,
+    no_fit: bool = False,
 ) -> str:
-    """submit.lua's options: the task, its class's limits and the pool's state."""
+    """submit.lua's options: the task, its class's limits and the pool's state
+    (``workers``: live workers of the class whose GPU could hold the task)."""
     digest = fp = ""
     if sub.idempotency_key is not None:
         digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
@@ -116,6 +125,10 @@ def submit_options(
         fingerprint=fp,
         idem_ttl_s=settings.idempotency_ttl_s,
         max_in_flight=sub.max_in_flight,
+        lane=sub.tenant if settings.fair_share and sub.weight is not None else "",
+        weight=sub.weight or 1.0,
+        gpu_mb=sub.gpu_memory_mb,
+        no_fit=no_fit,
         classes=settings.class_names,
         **{"class": sub.cls},
     )
@@ -136,7 +149,10 @@ class TaskStore:
         )
 
     async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
-        opts = submit_options(sub, state.config, state.workers, state.run_s, self.settings)
+        workers = state.fitting(sub.gpu_memory_mb)
+        # Live workers serve the class, but none has a GPU that could hold the task.
+        no_fit = workers == 0 and state.workers > 0
+        opts = submit_options(sub, state.config, workers, state.run_s, self.settings, no_fit)
         data = encode_call(sub.task_type, sub.args, sub.file)
         wanted = self.settings.min_replica_acks
         if wanted > 0:
@@ -156,6 +172,17 @@ class TaskStore:
         depth = int(reply[2]) + (verdict == "accepted")
         est_ms = int(reply[3])
         est = est_ms / 1000 if est_ms >= 0 else None
+        if verdict == "accepted":
+            return SubmitResult(
+                verdict,
+                _text(reply[1]),
+                depth,
+                est,
+                "queued",
+                sub.cls,
+                sub.task_type,
+                position=int(reply[4]),
+            )
         limit = _text(reply[4]) if len(reply) > 4 else ""
         return SubmitResult(
             verdict, _text(reply[1]), depth, est, "queued", sub.cls, sub.task_type, limit

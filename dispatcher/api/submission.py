@@ -1,10 +1,11 @@
 """Turning a ``POST /tasks`` request into a validated :class:`Submission`.
 
-Two shapes are accepted: a JSON body ``{"type", "class", "args", "timeout_s"}`` and
-``multipart/form-data`` with a ``file`` part plus optional ``type``, ``class``,
-``args`` (a JSON string) and ``timeout_s`` parts. Sizes are enforced while reading:
-a declared ``Content-Length`` over the limit is refused before a byte is read, and a
-body that streams past it is cut off, so an oversized upload never sits in memory.
+Two shapes are accepted: a JSON body ``{"type", "class", "args", "timeout_s",
+"gpu_memory_mb"}`` and ``multipart/form-data`` with a ``file`` part plus optional
+``type``, ``class``, ``args`` (a JSON string), ``timeout_s`` and ``gpu_memory_mb``
+parts. Sizes are enforced while reading: a declared ``Content-Length`` over the limit
+is refused before a byte is read, and a body that streams past it is cut off, so an
+oversized upload never sits in memory.
 Uploads are spooled to disk by the multipart parser past 1 MiB.
 """
 
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.types import Message, Receive
 
 from dispatcher.api.auth import Principal
-from dispatcher.api.catalog import Catalog
+from dispatcher.api.catalog import Catalog, TaskTypeInfo
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Submission
 from dispatcher.contract.jobs import FileMeta
@@ -29,7 +30,7 @@ from dispatcher.contract.settings import Settings
 
 __all__ = ["limited_body", "parse_submission"]
 
-_FIELDS = {"type", "class", "args", "timeout_s"}
+_FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
 _MAX_NAME = 64
 _MAX_IDEMPOTENCY_KEY = 255
@@ -173,6 +174,9 @@ async def _form_fields(
             fields["timeout_s"] = float(fields["timeout_s"])
         except ValueError as exc:
             raise _invalid("The 'timeout_s' part is not a number.") from exc
+    if "gpu_memory_mb" in fields:
+        text = fields["gpu_memory_mb"].strip()
+        fields["gpu_memory_mb"] = int(text) if text.isdigit() and len(text) <= 12 else text
     return fields, upload
 
 
@@ -185,6 +189,19 @@ def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
     if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
         raise _invalid(
             f"The '{key}' field must be a non-empty string of at most {_MAX_NAME} characters."
+        )
+    return value
+
+
+def _gpu_memory(fields: dict[str, Any], declared: int, max_mb: int) -> int:
+    """GPU memory the task needs (MB): the request's ``gpu_memory_mb``, else what its
+    type declares; more than any card could have is refused here."""
+    value = fields.get("gpu_memory_mb")
+    if value is None:
+        return declared
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_mb:
+        raise _invalid(
+            f"'gpu_memory_mb' must be a whole number of MB from 0 to {max_mb} (max_gpu_memory_mb)."
         )
     return value
 
@@ -222,7 +239,7 @@ def _class(fields: dict[str, Any], principal: Principal, settings: Settings) -> 
 
 async def _task_type(
     fields: dict[str, Any], upload: UploadFile | None, settings: Settings, catalog: Catalog
-) -> str:
+) -> TaskTypeInfo:
     task_type = _name(fields, "type", settings.default_file_task if upload else None)
     info = await catalog.lookup(task_type)
     if info is None:
@@ -242,7 +259,7 @@ async def _task_type(
         raise _invalid(f"Task type {task_type!r} needs a document: send it as the 'file' part.")
     if info.file == "none" and upload is not None:
         raise _invalid(f"Task type {task_type!r} does not take a file.")
-    return task_type
+    return info
 
 
 async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | None, bytes]:
@@ -274,10 +291,11 @@ async def parse_submission(
     fields, upload = await _read(request, settings)
     _check(fields)
     cls = _class(fields, principal, settings)
-    task_type = await _task_type(fields, upload, settings, catalog)
+    info = await _task_type(fields, upload, settings, catalog)
+    gpu_memory_mb = _gpu_memory(fields, info.gpu_memory_mb, settings.max_gpu_memory_mb)
     meta, data = await _upload(upload, settings.max_file_bytes)
     return Submission(
-        task_type=task_type,
+        task_type=info.name,
         cls=cls,
         args=fields.get("args", {}),
         timeout_s=_timeout(fields, settings.class_timeout_s(cls), settings.max_timeout_s),
@@ -286,4 +304,6 @@ async def parse_submission(
         file_data=data,
         idempotency_key=_idempotency_key(request),
         max_in_flight=principal.config.max_in_flight if principal.config else 0,
+        weight=principal.config.weight if principal.config else None,
+        gpu_memory_mb=gpu_memory_mb,
     )

@@ -21,7 +21,8 @@ agree); ``attempts`` (times started); ``lost`` (times its worker died holding it
 ``quota`` (``1`` when it counts against its tenant's max_in_flight); ``has_file``;
 ``progress`` and ``error`` (JSON objects); ``device`` (JSON of the worker's device);
 ``history`` (JSON list of attempts that did not end normally); ``cancel`` (``1`` once
-a cancel was requested).
+a cancel was requested); ``lane`` (the tenant whose fair-share lane holds it while
+queued, '' without fair share); ``gpu_mb`` (GPU memory it needs, MB; 0: any worker).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ RECORD_FIELDS = (
     "started_ms",
     "ended_ms",
     "cancel",
+    "gpu_mb",
 )
 
 # Bound on a decompressed call: a hostile hash cannot make a worker inflate gigabytes.
@@ -215,4 +217,5 @@ def record_from_fields(task_id: str, values: list[Any], position: int | None) ->
         "queue_wait_s": (started - created) / 1000 if started and created else None,
         "run_s": (ended - started) / 1000 if ended and started else None,
         "cancel_requested": raw["cancel"] == b"1" and status == "running",
+        "gpu_memory_mb": _int(raw["gpu_mb"]) or 0,
     }

@@ -5,7 +5,9 @@ they discover, such as a dead worker's in-flight lists):
 
 RQ's own keys (kept in RQ's format so ``rq info``, rq-dashboard and KEDA see the queues)::
 
-    rq:queue:<class>                 LIST   ids of queued tasks; head is served next
+    rq:queue:<class>                 LIST   ids of queued tasks in arrival order; the
+                                            head is served next, except under fair share
+                                            (tenants configured), where lanes decide
     rq:queues                        SET    RQ's index of queue keys
     rq:job:<id>                      HASH   the task: RQ's job fields plus gpulane's
                                             (field list in dispatcher.contract.jobs)
@@ -32,13 +34,25 @@ gpulane's keys::
     gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id, or a
                                             batch's ids); tasks move here from
                                             rq:queue:<class> atomically
-    gpulane:idle:<class>             SET    workers parked waiting for that class
+    gpulane:idle:<class>             ZSET   workers parked waiting for that class ->
+                                            GPU memory (MB) free for a task, +inf for
+                                            no limit (cpu); a submit wakes the smallest
+                                            that fits the task (best fit)
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
     gpulane:bytes:<class>            STRING upload bytes held by the class's unfinished
                                             tasks, for max_queued_bytes: INCRBY in
                                             submit.lua, DECRBY when a task ends
+    gpulane:lane:<class>:<tenant>    LIST   fair share: the tenant's queued ids in the
+                                            class, oldest first (each id is also in
+                                            rq:queue:<class>, which keeps arrival order)
+    gpulane:lanes:<class>            ZSET   fair share: tenants with a non-empty lane ->
+                                            virtual start tag of their next task; the
+                                            smallest is served next
+    gpulane:fair:<class>             HASH   fair share: v (the class's virtual clock),
+                                            t:<tenant> (an idle tenant's next tag),
+                                            w:<tenant> (its weight, written by submits)
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
@@ -78,12 +92,15 @@ __all__ = [
     "RQ_WORKERS",
     "WORKERS",
     "control",
+    "fair",
     "file",
     "gpu_claim",
     "idem",
     "idle",
     "inflight",
     "job",
+    "lane",
+    "lanes",
     "lua_prelude",
     "queue",
     "queued_bytes",
@@ -123,6 +140,9 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "worker": (_P + "worker:", ("name",), ""),
     "inflight": (_P + "inflight:", ("name", "cls"), ""),
     "idle": (_P + "idle:", ("cls",), ""),
+    "lane": (_P + "lane:", ("cls", "tenant"), ""),
+    "lanes": (_P + "lanes:", ("cls",), ""),
+    "fair": (_P + "fair:", ("cls",), ""),
     "wake": (_P + "wake:", ("name",), ""),
     "control": (_P + "control:", ("name",), ""),
     "stats": (_P + "stats:", ("cls",), ""),
@@ -177,6 +197,18 @@ def inflight(name: str, cls: str) -> str:
 
 def idle(cls: str) -> str:
     return _build("idle", cls)
+
+
+def lane(cls: str, tenant: str) -> str:
+    return _build("lane", cls, tenant)
+
+
+def lanes(cls: str) -> str:
+    return _build("lanes", cls)
+
+
+def fair(cls: str) -> str:
+    return _build("fair", cls)
 
 
 def wake(name: str) -> str:

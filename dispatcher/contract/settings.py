@@ -107,6 +107,13 @@ class TenantConfig(BaseModel):
     rate: float = Field(20.0, gt=0, description="Requests per second (token bucket refill).")
     burst: int = Field(40, ge=1)
     max_in_flight: int = Field(100, ge=1, description="Queued plus running tasks at once.")
+    weight: float = Field(
+        1.0,
+        ge=0.01,
+        le=1000,
+        description="Share of the pool under fair share: tenants with queued work in a class "
+        "are served in proportion to their weights.",
+    )
     classes: list[str] | None = Field(None, description="Classes it may submit to; all if unset.")
     admin: bool = False
 
@@ -194,6 +201,12 @@ class Settings(BaseSettings):
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
     default_class: str = Field("batch", description="Class of a submission that names none.")
     tenants: list[TenantConfig] = Field(default_factory=list)
+    fair_share: bool = Field(
+        True,
+        description="With tenants configured, tenants with queued work in a class take turns "
+        "(weighted by their `weight`, FIFO within a tenant); off, or without tenants: each "
+        "class is one FIFO queue.",
+    )
     types: dict[str, TypeConfig] = Field(
         default_factory=dict, description="Per task type overrides (batch policy)."
     )
@@ -232,6 +245,12 @@ class Settings(BaseSettings):
     # Task lifetime.
     default_timeout_s: float = Field(600.0, gt=0)
     max_timeout_s: float = Field(3600.0, gt=0)
+    max_gpu_memory_mb: int = Field(
+        262_144,
+        ge=1,
+        description="Largest GPU memory a task may ask for (`gpu_memory_mb` in POST /tasks or "
+        "a type's declaration); more is 422: no card is that large.",
+    )
     result_ttl_s: int = Field(86_400, ge=1, description="How long final records are kept.")
     idempotency_ttl_s: int = Field(86_400, ge=1)
     default_run_s: float = Field(

@@ -217,8 +217,18 @@ async def _submit_all(
     if quota and len(texts) > quota:  # no retry could ever fit it
         raise _invalid(f"'input' has {len(texts)} items; this key's max_in_flight is {quota}.")
     timeout_s = svc.settings.class_timeout_s(cls)
+    info = await svc.catalog.lookup(task_type)
     subs = [
-        Submission(task_type, cls, {"text": t}, timeout_s, principal.tenant, max_in_flight=quota)
+        Submission(
+            task_type,
+            cls,
+            {"text": t},
+            timeout_s,
+            principal.tenant,
+            max_in_flight=quota,
+            weight=principal.config.weight if principal.config else None,
+            gpu_memory_mb=info.gpu_memory_mb if info else 0,
+        )
         for t in texts
     ]
     results = await asyncio.gather(

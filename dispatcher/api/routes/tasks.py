@@ -48,6 +48,7 @@ _SUBMIT_BODY: dict[str, Any] = {
                         "class": {"type": "string", "default": "batch"},
                         "args": {"type": "object", "default": {}},
                         "timeout_s": {"type": "number"},
+                        "gpu_memory_mb": {"type": "integer", "minimum": 0},
                     },
                 }
             },
@@ -61,6 +62,7 @@ _SUBMIT_BODY: dict[str, Any] = {
                         "class": {"type": "string"},
                         "args": {"type": "string", "description": "JSON object"},
                         "timeout_s": {"type": "string"},
+                        "gpu_memory_mb": {"type": "string"},
                     },
                 }
             },
@@ -154,12 +156,22 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErro
             headers={"Retry-After": str(retry)},
             retry_after_s=retry,
         )
-    retry = admission.retry_after_s(result.depth, state.run_s, state.workers, state.config)
+    workers = state.fitting(sub.gpu_memory_mb)
+    retry = admission.retry_after_s(result.depth, state.run_s, workers, state.config)
     headers = {
         **_backpressure(result.depth, result.estimated_wait_s, "full"),
         "Retry-After": str(retry),
     }
-    if result.verdict == "no_workers":
+    extra: dict[str, Any] = {}
+    if result.verdict == "no_workers" and state.workers > 0:
+        largest = state.largest_mb
+        message = (
+            f"No live worker of class {state.name!r} has a GPU that could hold the "
+            f"{sub.gpu_memory_mb} MB this task needs (the largest offers {largest} MB); "
+            "retry when a bigger card serves the class."
+        )
+        extra = {"gpu_memory_mb": sub.gpu_memory_mb, "largest_gpu_memory_mb": largest}
+    elif result.verdict == "no_workers":
         message = f"No live worker serves class {state.name!r}; retry later."
     elif result.limit == "bytes":
         message = (
@@ -168,7 +180,7 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErro
         )
     else:
         message = f"Class {state.name!r} is full ({result.depth} queued); retry in {retry} s."
-    return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry)
+    return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry, **extra)
 
 
 async def _submit(
@@ -230,7 +242,7 @@ async def submit_task(request: Request) -> JSONResponse:
         return JSONResponse(body, status_code=200, headers=headers)
     svc.recorder.count("submitted", sub.cls, sub.task_type)
     est = result.estimated_wait_s
-    body["position"] = result.depth - 1
+    body["position"] = result.position
     body["estimated_wait_s"] = round(est, 3) if est is not None else None
     pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
     headers.update(_backpressure(result.depth, est, pressure))

@@ -34,17 +34,109 @@ local function notify(id)
   redis.call('PUBLISH', K.EVENTS, id)
 end
 
--- Ring the doorbell of one worker parked on this class. It leaves every idle set, so
--- a second task does not wake the same worker while another one sits idle.
-local function wake(cls, classes)
-  local w = redis.call('SPOP', K.idle(cls))
+-- Ring the doorbell of one worker parked on this class whose GPU has `need` MB free
+-- (0 or nil: any worker): the smallest such (best fit), so big cards stay free for the
+-- tasks only they can run. It leaves every idle set, so a second task does not wake
+-- the same worker while another one sits idle. None fits: nobody is rung; a worker
+-- finishing its task, or a parked one's periodic look, takes it.
+local function wake(cls, classes, need)
+  local ik = K.idle(cls)
+  local found
+  need = tonumber(need) or 0
+  if need > 0 then
+    found = redis.call('ZRANGEBYSCORE', ik, need, '+inf', 'LIMIT', 0, 1)
+  else
+    found = redis.call('ZRANGE', ik, 0, 0)
+  end
+  local w = found[1]
   if w then
-    for _, c in ipairs(classes) do
-      if c ~= cls then redis.call('SREM', K.idle(c), w) end
-    end
+    for _, c in ipairs(classes) do redis.call('ZREM', K.idle(c), w) end
     redis.call('LPUSH', K.wake(w), '1')
   end
   return w
+end
+
+-- Fair share among tenants inside a class: start-time fair queuing (Goyal et al.,
+-- 1996), weighted. A task submitted with a lane (its tenant, when tenants are
+-- configured) is queued twice: in rq:queue:<class>, in arrival order (what RQ, KEDA
+-- and the depth limits read), and in its tenant's lane. A claim serves the lane with
+-- the smallest virtual start tag; serving a task moves its tenant's tag on by
+-- 1/weight and the class's virtual clock up to the tag served. A tenant whose lane
+-- was empty starts again at the clock: it neither banks turns while idle nor waits
+-- behind another tenant's backlog. With a single tenant this is plain FIFO.
+
+-- The class's virtual clock, and tenant t's saved next tag and weight.
+local function fair_state(cls, t)
+  local f = redis.call('HMGET', K.fair(cls), 'v', 't:' .. t, 'w:' .. t)
+  return tonumber(f[1]) or 0, tonumber(f[2]) or 0, tonumber(f[3]) or 1
+end
+
+-- Queue task `id` of class `cls` at the tail (or the head), in its tenant's lane too
+-- when it has one (`lane`: the tenant, or ''/false).
+local function enqueue(cls, id, lane, at_head)
+  local push = at_head and 'LPUSH' or 'RPUSH'
+  redis.call(push, K.queue(cls), id)
+  if lane and lane ~= '' and redis.call(push, K.lane(cls, lane), id) == 1 then
+    local v, tag = fair_state(cls, lane)
+    redis.call('ZADD', K.lanes(cls), math.max(v, tag), lane)
+  end
+end
+
+-- Tenant t's lane emptied: it leaves the active set, keeping its next tag for when it
+-- comes back (then max(clock, tag)).
+local function lane_idle(cls, t, next_tag)
+  redis.call('ZREM', K.lanes(cls), t)
+  redis.call('HSET', K.fair(cls), 't:' .. t, next_tag)
+end
+
+-- Remove `id` (created at `created_ms`) from the class list, scanning from the end it
+-- is nearer by age: a fair claim takes tasks from anywhere in a long backlog, and a
+-- scan from the wrong end would cost in proportion to the whole backlog.
+local function unlist(cls, id, created_ms, now)
+  local qk = K.queue(cls)
+  local head = redis.call('LINDEX', qk, 0)
+  if head == id then redis.call('LPOP', qk); return end
+  local oldest = head and tonumber(redis.call('HGET', K.job(head), 'created_ms'))
+  local age = now - (tonumber(created_ms) or now)
+  local from_tail = oldest and age * 2 < now - oldest
+  redis.call('LREM', qk, from_tail and -1 or 1, id)
+end
+
+-- Remove a queued task from its lane (a cancel): an emptied lane goes idle.
+local function unlane(cls, id, lane)
+  if not lane or lane == '' then return end
+  local lk = K.lane(cls, lane)
+  redis.call('LREM', lk, 1, id)
+  if redis.call('LLEN', lk) == 0 then
+    local tag = redis.call('ZSCORE', K.lanes(cls), lane)
+    if tag then lane_idle(cls, lane, tonumber(tag)) end
+  end
+end
+
+-- Tasks a task at index k of tenant t's lane has ahead of it in fair order: k of its
+-- own, and from every other active lane u the tasks whose start tags come before its
+-- own (tag_t + k / w_t), at most that lane's length. An estimate: later arrivals of
+-- idle tenants and tasks given back move it.
+local function fair_ahead(cls, t, k)
+  local v, saved, w = fair_state(cls, t)
+  local lk = K.lanes(cls)
+  local mine = redis.call('ZSCORE', lk, t)
+  local at = (mine and tonumber(mine) or math.max(v, saved)) + k / w
+  local ahead = k
+  local active = redis.call('ZRANGE', lk, 0, -1, 'WITHSCORES')
+  for i = 1, #active, 2 do
+    local u, su = active[i], tonumber(active[i + 1])
+    if u ~= t and su <= at then
+      local wu = tonumber(redis.call('HGET', K.fair(cls), 'w:' .. u)) or 1
+      local x = (at - su) * wu -- u's tasks with tags before `at`: ceil(x)
+      local n = math.ceil(x)
+      local whole = math.floor(x + 0.5)
+      -- A tie on a tag goes to the tenant whose name sorts first (the ZSET's order).
+      if u < t and math.abs(x - whole) < 1e-9 then n = whole + 1 end
+      ahead = ahead + math.min(n, redis.call('LLEN', K.lane(cls, u)))
+    end
+  end
+  return ahead
 end
 
 -- Write a final status once: the record expires after ttl, the upload goes at once
@@ -88,13 +180,15 @@ local function quota_of(tenant, quota)
   return false
 end
 
--- Put a task back in its class queue, as if never started: at the head (it was
--- taken before the others) or, for a retry after an error, at the tail.
+-- Put a task back in its class queue (and its lane), as if never started: at the head
+-- (it was taken before the others) or, for a retry after an error, at the tail.
 local function requeue(id, cls, classes, extra, at_head)
-  redis.call('HSET', K.job(id), 'status', 'queued', 'worker_name', '', 'started_ms', '',
+  local jk = K.job(id)
+  redis.call('HSET', jk, 'status', 'queued', 'worker_name', '', 'started_ms', '',
     'started_at', '', 'device', '', 'progress', '', unpack(extra))
-  redis.call(at_head and 'LPUSH' or 'RPUSH', K.queue(cls), id)
-  wake(cls, classes)
+  local f = redis.call('HMGET', jk, 'lane', 'gpu_mb')
+  enqueue(cls, id, f[1], at_head)
+  wake(cls, classes, f[2])
   notify(id)
 end
 
@@ -198,7 +292,7 @@ local function reap_worker(w, now, o)
       out[#out + 1] = id .. '|' .. c .. '|' .. task_type .. '|' .. outcome
     end
     redis.call('DEL', ik)
-    redis.call('SREM', K.idle(c), w)
+    redis.call('ZREM', K.idle(c), w)
   end
   redis.call('DEL', K.worker(w), K.wake(w), K.control(w))
   redis.call('ZREM', K.WORKERS, w)

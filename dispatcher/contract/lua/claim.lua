@@ -3,34 +3,100 @@
 -- instant leaves the task either queued or leased, never neither. Classes are tried
 -- in priority order, except that a lower class whose oldest task has waited past its
 -- promotion age goes first (batch cannot starve behind a stream of interactive work).
--- With nothing to take, the worker parks in the idle sets of its classes, where
--- submit.lua finds it to ring its doorbell.
+-- Inside a class, tasks are served in arrival order, or under fair share (the class
+-- has active tenant lanes, see the prelude) from the lane with the smallest start tag.
+-- Placement: with `mem` (MB of GPU memory free for a task on this worker's card), a
+-- task whose gpu_mb is more is left for a worker that can hold it, and the first of
+-- the next SCAN tasks that fits is taken instead (per lane under fair share).
+-- With nothing to take, the worker parks in the idle sets of its classes (scored by
+-- `mem`), where submit.lua finds it to ring its doorbell.
 -- Dynamic batching: when the task taken is of a type in `batch` ({type: max_size}),
--- the same step takes more tasks of that type from the head of the same queue, up to
--- max_size in all, stopping at the first task of another type (so other types keep
--- their order) and taking none while a higher class has a task queued. Each is
--- started and in flight exactly like a single claim; the reaper gives back them all.
--- `more` ({class, type, n}): only take up to n more such head tasks (a short batch
--- waiting for more); nothing is parked.
+-- the same step takes the next tasks of the class (in the same order a claim would)
+-- while they are of that type, up to max_size in all, and none while a higher class
+-- has a task queued. Each is started and in flight exactly like a single claim; the
+-- reaper gives back them all.
+-- `more` ({class, type, n}): only take up to n more such tasks (a short batch waiting
+-- for more); nothing is parked.
 -- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
---           redeliver (the caller lost the reply of its last claim), batch, more?}
+--           redeliver (the caller lost the reply of its last claim), batch, mem?, more?}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
--- started_ms, file|nil}; more than one only for a batch) or nil; with `more`,
+-- started_ms, file|nil, type}; more than one only for a batch) or nil; with `more`,
 -- {stop (1: stop waiting), task, ...}.
 local o = cjson.decode(ARGV[1])
 local w = o.worker
-local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type'}
+local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type',
+  'gpu_mb'}
+local SCAN = 32 -- tasks looked at past one that does not fit this worker's GPU
+local MAX_LANES = 64 -- lanes looked at when none of the first has a task that fits
 
--- Move the head of class c into the in-flight list; drop stale ids (record expired or
--- already final). Returns id and its fields, or nil.
-local function take(c)
-  local ik = K.inflight(w, c)
+local function fits(f)
+  return not o.mem or (tonumber(f[8]) or 0) <= o.mem
+end
+
+-- The first task of list `key` this worker may run: the head or, when the head does
+-- not fit, the first of the next SCAN that does. Stale ids at the head (record expired
+-- or already final) are dropped. Returns id, fields, index (0: the head) or nil.
+local function first_fit(key)
   while true do
-    local id = redis.call('LMOVE', K.queue(c), ik, 'LEFT', 'RIGHT')
+    local id = redis.call('LINDEX', key, 0)
     if not id then return nil end
     local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-    if f[1] == 'queued' and f[2] then return id, f end
-    redis.call('LREM', ik, 0, id)
+    if f[1] == 'queued' and f[2] then
+      if fits(f) then return id, f, 0 end
+      break
+    end
+    redis.call('LPOP', key)
+  end
+  for i, id in ipairs(redis.call('LRANGE', key, 1, SCAN)) do
+    local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
+    if f[1] == 'queued' and f[2] and fits(f) then return id, f, i end
+  end
+  return nil
+end
+
+-- The task a claim on class c would take, not yet taken: {c, id, f, index, lane, tag}.
+local function peek(c)
+  local lk = K.lanes(c)
+  local active = redis.call('ZRANGE', lk, 0, MAX_LANES - 1, 'WITHSCORES')
+  if #active == 0 then -- no fair share here: arrival order
+    local id, f, index = first_fit(K.queue(c))
+    if id then return {c, id, f, index, false} end
+    return nil
+  end
+  for i = 1, #active, 2 do
+    local t, tag = active[i], tonumber(active[i + 1])
+    local key = K.lane(c, t)
+    local id, f, index = first_fit(key)
+    if id then return {c, id, f, index, t, tag} end
+    if redis.call('LLEN', key) == 0 then lane_idle(c, t, tag) end -- held stale ids only
+  end
+  return nil
+end
+
+-- Take the peeked task: out of its lists into the in-flight list; charge its tenant.
+local function take(p, now)
+  local c, id, f, index, t, tag = p[1], p[2], p[3], p[4], p[5], p[6]
+  local ik = K.inflight(w, c)
+  if not t then
+    if index == 0 then
+      redis.call('LMOVE', K.queue(c), ik, 'LEFT', 'RIGHT')
+    else
+      redis.call('LREM', K.queue(c), 1, id)
+      redis.call('RPUSH', ik, id)
+    end
+    return
+  end
+  local key = K.lane(c, t)
+  if index == 0 then redis.call('LPOP', key) else redis.call('LREM', key, 1, id) end
+  unlist(c, id, f[5], now)
+  redis.call('RPUSH', ik, id)
+  local v, _, weight = fair_state(c, t)
+  local next_tag = tag + 1 / weight
+  redis.call('HSET', K.fair(c), 'v', math.max(v, tag))
+  if redis.call('LLEN', key) > 0 then
+    redis.call('ZADD', K.lanes(c), next_tag, t)
+  else
+    lane_idle(c, t, next_tag)
   end
 end
 
@@ -48,7 +114,9 @@ local function aged_below(i, now)
   return nil
 end
 
-local function start(id, c, f, now)
+local function start(p, now)
+  take(p, now)
+  local id, c, f = p[2], p[1], p[3]
   local attempts = (tonumber(f[3]) or 0) + 1
   local ts = iso(now)
   redis.call('HSET', K.job(id), 'status', 'started', 'started_at', ts, 'last_heartbeat', ts,
@@ -67,23 +135,14 @@ local function higher_queued(i)
   return false
 end
 
--- Start up to n more head tasks of class c and type t into out. Returns true when
--- waiting cannot bring more: the head is another type's task.
+-- Start up to n more tasks of class c and type t into out, in claim order. Returns
+-- true when waiting cannot bring more: the next task is another type's.
 local function take_same(c, t, n, now, out)
-  local qk = K.queue(c)
-  local added = 0
-  while added < n do
-    local id = redis.call('LINDEX', qk, 0)
-    if not id then return false end
-    local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-    if f[1] == 'queued' and f[2] then
-      if f[7] ~= t then return true end
-      redis.call('LMOVE', qk, K.inflight(w, c), 'LEFT', 'RIGHT')
-      out[#out + 1] = start(id, c, f, now)
-      added = added + 1
-    else
-      redis.call('LPOP', qk) -- stale id (record expired or final), as take() drops it
-    end
+  for _ = 1, n do
+    local p = peek(c)
+    if not p then return false end
+    if p[3][7] ~= t then return true end
+    out[#out + 1] = start(p, now)
   end
   return false
 end
@@ -113,7 +172,7 @@ local function with_batch(task, c, t, now)
 end
 
 if o.was_idle then
-  for _, c in ipairs(o.classes) do redis.call('SREM', K.idle(c), w) end
+  for _, c in ipairs(o.classes) do redis.call('ZREM', K.idle(c), w) end
 end
 
 -- The reply to an earlier claim was lost (a timeout or a reset connection): the task it
@@ -138,20 +197,16 @@ if o.redeliver then
 end
 
 for i, c in ipairs(o.classes) do
-  local id, f = take(c)
-  if id then
+  local p = peek(c)
+  if p then
     local now = now_ms()
     local older = aged_below(i, now)
-    if older then
-      local aged_id, aged_f = take(older)
-      if aged_id then
-        redis.call('LMOVE', K.inflight(w, c), K.queue(c), 'RIGHT', 'LEFT') -- back to its head
-        return {start(aged_id, older, aged_f, now)} -- higher class queued: no batch
-      end
-    end
-    return with_batch(start(id, c, f, now), c, f[7], now)
+    local aged = older and peek(older)
+    if aged then return {start(aged, now)} end -- higher class queued: no batch
+    return with_batch(start(p, now), c, p[3][7], now)
   end
 end
 
-for _, c in ipairs(o.classes) do redis.call('SADD', K.idle(c), w) end
+local score = o.mem or '+inf'
+for _, c in ipairs(o.classes) do redis.call('ZADD', K.idle(c), score, w) end
 return nil

@@ -1,9 +1,17 @@
--- Read a task record and, while it is queued, its position (tasks ahead of it).
+-- Read a task record and, while it is queued, its position (tasks ahead of it): its
+-- index in the class queue or, under fair share, the tasks fair order puts before it
+-- (an estimate, see fair_ahead in the prelude).
 -- ARGV[1]: id, ARGV[2..]: the fields to read (dispatcher.contract.jobs.RECORD_FIELDS; the
 -- first is 'status', the third 'origin'). Returns {values, position|nil}.
 local values = redis.call('HMGET', K.job(ARGV[1]), unpack(ARGV, 2))
 local position = false
 if values[1] == 'queued' and values[3] then
-  position = redis.call('LPOS', K.queue(values[3]), ARGV[1])
+  local lane = redis.call('HGET', K.job(ARGV[1]), 'lane')
+  local k = lane and lane ~= '' and redis.call('LPOS', K.lane(values[3], lane), ARGV[1])
+  if k then
+    position = fair_ahead(values[3], lane, k)
+  else
+    position = redis.call('LPOS', K.queue(values[3]), ARGV[1])
+  end
 end
 return {values, position}

@@ -2,7 +2,10 @@
 -- concurrent submits against max_queued = M accept exactly M.
 -- ARGV[1]: options (JSON, see dispatcher/store.py), ARGV[2]: the RQ call data,
 -- ARGV[3]: the uploaded file's bytes ('' when there is none).
--- Returns {'accepted', id, depth_before, est_ms} | {'duplicate', id, status, class, type}
+-- Fair share: with `lane` (the tenant, when tenants are configured) the task also joins
+-- its tenant's lane (see the prelude), and its position and estimate count the tasks
+-- fair order puts ahead of it, not the whole class queue; `weight` is the tenant's.
+-- Returns {'accepted', id, depth_before, est_ms, ahead} | {'duplicate', id, status, class, type}
 --       | {'idempotency_key_reused', id}
 --       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms, limit}.
 -- est_ms = -1: cannot estimate (no live worker serves the class). limit (queue_full):
@@ -24,10 +27,16 @@ if o.idem ~= '' then
 end
 
 local depth = redis.call('LLEN', K.queue(o.class))
+local ahead = depth
+if o.lane ~= '' then
+  redis.call('HSET', K.fair(o.class), 'w:' .. o.lane, o.weight)
+  ahead = fair_ahead(o.class, o.lane, redis.call('LLEN', K.lane(o.class, o.lane)))
+end
 local est_ms = -1
-if o.workers > 0 then est_ms = math.ceil((depth + 1) * o.run_s * 1000 / o.workers) end
+if o.workers > 0 then est_ms = math.ceil((ahead + 1) * o.run_s * 1000 / o.workers) end
 
-if o.workers == 0 and o.reject_without_workers then
+-- no_fit: live workers serve the class but none has a GPU that could hold the task.
+if (o.workers == 0 and o.reject_without_workers) or o.no_fit then
   return {'no_workers', '', depth, est_ms, ''}
 end
 if depth >= o.max_queued then return {'queue_full', '', depth, est_ms, 'depth'} end
@@ -48,13 +57,14 @@ redis.call('HSET', K.job(o.id), 'data', ARGV[2], 'origin', o.class, 'status', 'q
   'created_at', ts, 'enqueued_at', ts, 'created_ms', now, 'description', o.type,
   'timeout', math.ceil(o.timeout), 'timeout_s', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
   'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0',
-  'quota', o.max_in_flight > 0 and '1' or '0', 'bytes', size)
+  'quota', o.max_in_flight > 0 and '1' or '0', 'bytes', size, 'lane', o.lane,
+  'gpu_mb', o.gpu_mb)
 if size > 0 then redis.call('INCRBY', K.queued_bytes(o.class), size) end
-redis.call('RPUSH', K.queue(o.class), o.id)
+enqueue(o.class, o.id, o.lane, false)
 if ARGV[3] ~= '' then redis.call('SET', K.file(o.id), ARGV[3]) end
 if o.max_in_flight > 0 then redis.call('ZADD', K.tenant_tasks(o.tenant), now, o.id) end
 if o.idem ~= '' then
   redis.call('SET', K.idem(o.tenant, o.idem), o.id .. ' ' .. o.fingerprint, 'EX', o.idem_ttl_s)
 end
-wake(o.class, o.classes)
-return {'accepted', o.id, depth, est_ms}
+wake(o.class, o.classes, o.gpu_mb)
+return {'accepted', o.id, depth, est_ms, ahead}

@@ -9,10 +9,15 @@ It is configured by environment variables that only this test double reads:
 ``GPULANE_FAKE_NVML_DIR``
     A folder of switches a test creates while workers run: a file ``lost-<index>``
     makes every call on that GPU raise ``NVMLError_GpuIsLost``; ``hang-<index>`` makes
-    calls on it block until the file is removed (a device that stopped answering).
+    calls on it block until the file is removed (a device that stopped answering);
+    ``used-<index>`` holds the MiB in use on that GPU (memory that changes while a
+    worker runs; default ``index + 1`` GiB).
+``GPULANE_FAKE_NVML_MEMORY_GIB``
+    Comma-separated total memory per card, in GiB (``24,80``: card 0 has 24 GiB, card
+    1 80 GiB); unset or missing entries: 80 GiB.
 
 The cards: UUIDs that do not follow index order (NVML's numbering is its own), 80 GiB
-each; card 3 supports neither power nor temperature readings (``NotSupported``, like
+each unless told otherwise; card 3 supports neither power nor temperature readings (``NotSupported``, like
 some boards), so a metric one card lacks can be tested. ``calls`` counts the calls
 per function, for tests that run in-process.
 """
@@ -163,11 +168,27 @@ def nvmlDeviceGetName(handle: int) -> bytes:
     return b"NVIDIA Fake H100 80GB HBM3"  # older pynvml versions return bytes
 
 
+def _total(index: int) -> int:
+    sizes = [s for s in os.environ.get("GPULANE_FAKE_NVML_MEMORY_GIB", "").split(",") if s]
+    return int(float(sizes[index]) * GIB) if index < len(sizes) else 80 * GIB
+
+
+def _used(index: int) -> int:
+    switches = os.environ.get("GPULANE_FAKE_NVML_DIR")
+    if switches:
+        try:
+            return int(float((Path(switches) / f"used-{index}").read_text()) * 2**20)
+        except (FileNotFoundError, ValueError):  # absent, or caught half-written
+            pass
+    return (index + 1) * GIB
+
+
 def nvmlDeviceGetMemoryInfo(handle: int) -> Any:
     _called("nvmlDeviceGetMemoryInfo")
     _check(handle)
-    used = (handle + 1) * GIB
-    return SimpleNamespace(total=80 * GIB, used=used, free=80 * GIB - used)
+    total = _total(handle)
+    used = min(_used(handle), total)
+    return SimpleNamespace(total=total, used=used, free=total - used)
 
 
 def nvmlDeviceGetUtilizationRates(handle: int) -> Any:

@@ -1,0 +1,74 @@
+"""Driving gpulane's Lua scripts directly on the test Redis, as the API and workers
+would, for tests of the paths processes reach only by chance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dispatcher.api.store import Submission, submit_options
+from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.reaper import lease_options
+from dispatcher.contract.scripts import SyncScripts, options
+from dispatcher.contract.settings import Settings
+
+__all__ = ["CLASSES", "SETTINGS", "claim", "register", "submit", "submit_reply"]
+
+SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
+CLASSES = SETTINGS.class_names
+
+
+def submit_reply(
+    s: SyncScripts,
+    cls: str = "batch",
+    task_type: str = "echo",
+    tenant: str = "t",
+    weight: float | None = None,
+    gpu_mb: int = 0,
+    workers: int = 1,
+    settings: Settings = SETTINGS,
+    no_fit: bool = False,
+) -> list[Any]:
+    """submit.lua's reply; ``weight`` set: the tenant has a fair-share lane."""
+    sub = Submission(
+        task_type, cls, {}, timeout_s=60, tenant=tenant, weight=weight, gpu_memory_mb=gpu_mb
+    )
+    opts = submit_options(sub, settings.classes[cls], workers, 1.0, settings, no_fit)
+    reply: list[Any] = s.run("submit", opts, encode_call(task_type, {}), "")
+    return reply
+
+
+def submit(s: SyncScripts, cls: str = "batch", **kw: Any) -> str:
+    """Submit a task; its id (asserts it was accepted)."""
+    reply = submit_reply(s, cls, **kw)
+    assert reply[0] == b"accepted", reply
+    return str(reply[1].decode())
+
+
+def register(s: SyncScripts, worker: str) -> None:
+    rq = {"fields": {"state": "idle"}, "queues": CLASSES, "execution": None}
+    opts = options(
+        **lease_options(SETTINGS), worker=worker, info={"state": "idle"}, catalog={}, rq=rq
+    )
+    assert s.run("register", opts)[0] == b"ok"
+
+
+def claim(
+    s: SyncScripts,
+    worker: str,
+    mem: int | None = None,
+    batch: dict[str, int] | None = None,
+    classes: list[str] = CLASSES,
+) -> list[str]:
+    """Ids of the tasks one claim took (empty: the worker parked)."""
+    opts = options(
+        worker=worker,
+        classes=classes,
+        aging={},
+        was_idle=False,
+        device="{}",
+        redeliver=False,
+        batch=batch or {},
+        **({} if mem is None else {"mem": mem}),
+    )
+    reply = s.run("claim", opts)
+    return [task[0].decode() for task in reply or []]

@@ -1,0 +1,155 @@
+"""Fair share and GPU-memory placement in the Lua scripts, on the real Redis: the order
+claims serve tenants in, weights, a tenant coming back from idle, cancel and hand-back
+inside lanes, positions under fair order, and claims and doorbells that respect what a
+worker's card can hold. Real worker processes: tests/test_fair_share.py and
+tests/test_placement.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import redis
+from support.lua import SETTINGS, claim, register, submit, submit_reply
+
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import RECORD_FIELDS
+from dispatcher.contract.reaper import lease_options
+from dispatcher.contract.scripts import SyncScripts, options
+
+
+def _tenant(r: redis.Redis, task_id: str) -> str:
+    return str(r.hget(keys.job(task_id), "tenant").decode())
+
+
+def _position(s: SyncScripts, task_id: str) -> int:
+    _, position = s.run("get", task_id, *RECORD_FIELDS)
+    return int(position)
+
+
+def test_without_lanes_a_class_is_fifo(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    ids = [submit(s, tenant=t) for t in ("a", "a", "b", "a")]
+    register(s, "w")
+    assert [claim(s, "w")[0] for _ in ids] == ids
+    assert r.zcard(keys.lanes("batch")) == 0
+
+
+def test_a_small_tenant_is_served_next_to_a_backlog(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    bulk = [submit(s, tenant="bulk", weight=1) for _ in range(50)]
+    register(s, "w")
+    for expected in bulk[:10]:  # a lone tenant: FIFO, the whole pool
+        assert claim(s, "w") == [expected]
+    small = [submit(s, tenant="small", weight=1) for _ in range(3)]
+    assert _position(s, small[0]) == 0  # next, not behind 40 bulk tasks
+    order = [_tenant(r, claim(s, "w")[0]) for _ in range(6)]
+    assert order.count("small") == 3 and order.index("small") <= 1
+    # FIFO inside each tenant; the class list keeps every queued id exactly once.
+    assert r.llen(keys.queue("batch")) == 50 - 10 - 3
+    assert r.lrange(keys.queue("batch"), 0, -1) == r.lrange(keys.lane("batch", "bulk"), 0, -1)
+
+
+def test_weights_split_a_saturated_pool(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    for _ in range(200):
+        submit(s, tenant="heavy", weight=3)
+        submit(s, tenant="light", weight=1)
+    register(s, "w")
+    served = Counter(_tenant(r, claim(s, "w")[0]) for _ in range(200))
+    assert served["heavy"] == 150 and served["light"] == 50
+
+
+def test_an_idle_tenant_banks_no_turns(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    register(s, "w")
+    claim(s, "w", mem=None)  # parks
+    for _ in range(5):
+        submit(s, tenant="early", weight=1)
+    for _ in range(5):
+        claim(s, "w")  # "early" used the pool alone for a while
+    late = [submit(s, tenant="late", weight=1) for _ in range(20)]
+    early = [submit(s, tenant="early", weight=1) for _ in range(20)]
+    order = [_tenant(r, claim(s, "w")[0]) for _ in range(20)]
+    # "late" was idle, not owed: both alternate from the clock on.
+    assert abs(order.count("late") - order.count("early")) <= 1
+    assert len(late) == len(early)
+
+
+def test_cancel_and_hand_back_keep_lanes_consistent(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    a1, a2 = submit(s, tenant="a", weight=1), submit(s, tenant="a", weight=1)
+    b1 = submit(s, tenant="b", weight=1)
+    assert s.run("cancel", options(id=b1, tenant="b", ttl_s=60))[0] == b"canceled"
+    assert r.zscore(keys.lanes("batch"), "b") is None  # its lane emptied: idle
+    assert r.llen(keys.lane("batch", "b")) == 0
+    register(s, "w")
+    assert claim(s, "w") == [a1]
+    release = options(
+        **lease_options(SETTINGS), id=a1, worker="w", attempt=1, at_head=True, **{"class": "batch"}
+    )
+    assert s.run("release", release) == b"released"
+    # Back at the head of its lane and of the class list, in order.
+    assert r.lrange(keys.lane("batch", "a"), 0, -1) == [a1.encode(), a2.encode()]
+    assert r.lrange(keys.queue("batch"), 0, -1) == [a1.encode(), a2.encode()]
+    assert claim(s, "w") == [a1]
+
+
+def test_positions_follow_fair_order(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    bulk = [submit(s, tenant="bulk", weight=1) for _ in range(30)]
+    small = [submit(s, tenant="small", weight=1) for _ in range(3)]
+    assert _position(s, bulk[29]) == 29 + 3  # behind its own 29 and the 3 small ones
+    assert [_position(s, t) for t in small] == [1, 3, 5]  # interleaved with bulk
+    reply = submit_reply(s, tenant="small", weight=1)
+    assert reply[0] == b"accepted" and int(reply[4]) == 7  # what POST /tasks answers
+    assert int(reply[2]) == 33  # depth: still the whole class
+
+
+def test_a_claim_leaves_what_does_not_fit_for_a_bigger_card(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    big = submit(s, gpu_mb=40_000)
+    small = submit(s, gpu_mb=1_000)
+    register(s, "small-card")
+    register(s, "big-card")
+    assert claim(s, "small-card", mem=24_000) == [small]  # skipped the head
+    assert claim(s, "small-card", mem=24_000) == []  # parks: nothing it can hold
+    assert r.zscore(keys.idle("batch"), "small-card") == 24_000
+    assert claim(s, "big-card", mem=80_000) == [big]
+    # A worker with no limit (the cpu device) takes anything.
+    cpu = submit(s, gpu_mb=500_000)
+    register(s, "cpu")
+    assert claim(s, "cpu") == [cpu]
+
+
+def test_fit_is_checked_inside_lanes(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    big = submit(s, tenant="a", weight=1, gpu_mb=40_000)
+    small_a = submit(s, tenant="a", weight=1, gpu_mb=100)
+    small_b = submit(s, tenant="b", weight=1, gpu_mb=100)
+    register(s, "w")
+    assert claim(s, "w", mem=8_000) == [small_a]  # a's head does not fit: its next does
+    assert claim(s, "w", mem=8_000) == [small_b]
+    assert claim(s, "w", mem=8_000) == []
+    assert claim(s, "w", mem=80_000) == [big]
+    assert r.zcard(keys.lanes("batch")) == 0 and r.llen(keys.queue("batch")) == 0
+
+
+def test_a_submit_rings_the_smallest_card_that_fits(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    for name, mem in (("w24", 24_000), ("w80", 80_000), ("w48", 48_000)):
+        register(s, name)
+        assert claim(s, name, mem=mem) == []  # parked, scored by free memory
+    submit(s, gpu_mb=30_000)
+    assert r.llen(keys.wake("w48")) == 1  # best fit: not the 80 GB card
+    assert r.llen(keys.wake("w24")) == 0 and r.llen(keys.wake("w80")) == 0
+    submit(s, gpu_mb=100_000)  # fits nobody parked: nobody is rung
+    assert r.llen(keys.wake("w24")) == 0 and r.llen(keys.wake("w80")) == 0
+    submit(s)  # needs nothing: the smallest card
+    assert r.llen(keys.wake("w24")) == 1
+
+
+def test_no_fitting_worker_is_refused_at_admission(r: redis.Redis) -> None:
+    s = SyncScripts(r)
+    reply = submit_reply(s, gpu_mb=90_000, workers=0, no_fit=True)
+    assert reply[0] == b"no_workers"
+    assert r.llen(keys.queue("batch")) == 0
