@@ -38,6 +38,7 @@ COUNTERS = {
 GAUGES = {
     "gpulane_queue_depth",
     "gpulane_tasks_running",
+    "gpulane_tenant_queued_tasks",
     "gpulane_workers",
     "gpulane_gpu_utilization_ratio",
     "gpulane_gpu_memory_used_bytes",

@@ -212,11 +212,18 @@ def _pool_gauges(snap: Snapshot) -> Iterator[Metric]:
         "Live workers serving each class (idle or busy).",
         labels=("class",),
     )
+    tenants = GaugeMetricFamily(
+        "gpulane_tenant_queued_tasks",
+        "Tasks queued per class and tenant under fair share (tenants with any).",
+        labels=("class", "tenant"),
+    )
     for cls, class_state in snap.classes.items():
         depth.add_metric((cls,), class_state.depth)
         running.add_metric((cls,), class_state.running)
         serving.add_metric((cls,), class_state.workers)
-    yield from (depth, running, serving)
+        for tenant, queued in class_state.tenants:
+            tenants.add_metric((cls, tenant), queued)
+    yield from (depth, running, serving, tenants)
     states = Counter({state: 0 for state in WORKER_STATES})
     states.update(str(w["state"]) for w in snap.workers)
     workers = GaugeMetricFamily("gpulane_workers", "Live workers by state.", labels=("state",))

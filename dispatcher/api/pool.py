@@ -31,6 +31,8 @@ class ClassState:
     run_s: float
     # GPU memory (MB) each live worker of the class could give a task; None: no limit.
     capacities: tuple[int | None, ...] = ()
+    # Under fair share: queued tasks per tenant with any (its lane's length).
+    tenants: tuple[tuple[str, int], ...] = ()
 
     def fitting(self, need_mb: int) -> int:
         """Live workers of the class whose GPU could ever hold a task needing ``need_mb``."""
@@ -117,6 +119,7 @@ class _Tally:
         self.busy = dict.fromkeys(names, 0)
         self.running = dict.fromkeys(names, 0)
         self.capacities: dict[str, list[int | None]] = {name: [] for name in names}
+        self.tenants: dict[str, list[tuple[str, int]]] = {name: [] for name in names}
 
     def add(self, name: str, info: dict[str, str], inflight: list[Any]) -> None:
         if not info:  # reaped between the two reads
@@ -153,11 +156,15 @@ class Pool:
             pipe.hgetall(keys.worker(name))
             for cls in names:
                 pipe.lrange(keys.inflight(name, cls), 0, -1)
-        for _, head, _ in per_class:
+        for _, head, *_ in per_class:
             if head:
                 pipe.hget(keys.job(head.decode()), "created_ms")
             else:
                 pipe.echo("")  # keeps one reply per class
+        lanes = [(c, t.decode()) for c, (*_, active) in zip(names, per_class, strict=True)
+                 for t in active]  # fmt: skip
+        for cls, tenant in lanes:
+            pipe.llen(keys.lane(cls, tenant))
         replies = await pipe.execute()
         stride = 1 + len(names)
         tally = _Tally(names)
@@ -165,17 +172,21 @@ class Pool:
             tally.add(
                 name, _decode(replies[i * stride]), replies[i * stride + 1 : (i + 1) * stride]
             )
-        heads = replies[len(live) * stride :]
+        rest = replies[len(live) * stride :]
+        heads, queued = rest[: len(names)], rest[len(names) :]
+        for (cls, tenant), n in zip(lanes, queued, strict=True):
+            tally.tenants[cls].append((tenant, int(n)))
         classes = {
             cls: self._class_state(cls, depth, stats, head_created, now_ms, tally)
-            for cls, (depth, _, stats), head_created in zip(names, per_class, heads, strict=True)
+            for cls, (depth, _, stats, _), head_created in zip(names, per_class, heads, strict=True)
         }
         snap = Snapshot(now_ms=now_ms, classes=classes, workers=tally.workers)
         self.latest = snap
         return snap
 
     async def _read_classes(self, names: list[str]) -> tuple[int, list[str], list[list[Any]]]:
-        """Redis time, live worker names, and per class [depth, head id, [sum, weight]]."""
+        """Redis time, live worker names, and per class [depth, head id, [sum, weight],
+        tenants with a fair-share lane]."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
@@ -183,10 +194,11 @@ class Pool:
             pipe.llen(keys.queue(cls))
             pipe.lindex(keys.queue(cls), 0)
             pipe.hmget(keys.stats(cls), "sum", "weight")
+            pipe.zrange(keys.lanes(cls), 0, -1)
         replies = await pipe.execute()
         now_ms = replies[0][0] * 1000 + replies[0][1] // 1000
         live = [m.decode() for m, deadline in replies[1] if deadline > now_ms]
-        return now_ms, live, [replies[2 + 3 * i : 5 + 3 * i] for i in range(len(names))]
+        return now_ms, live, [replies[2 + 4 * i : 6 + 4 * i] for i in range(len(names))]
 
     def _class_state(
         self, cls: str, depth: int, stats: list[Any], head_created: Any, now_ms: int, tally: _Tally
@@ -203,6 +215,7 @@ class Pool:
             oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
             run_s=total / weight if weight > 0 else self.settings.default_run_s,
             capacities=tuple(tally.capacities[cls]),
+            tenants=tuple(tally.tenants[cls]),
         )
 
     async def cached(self) -> Snapshot:

@@ -192,3 +192,14 @@ def batch_echo(batch: list[BatchEchoArgs], ctxs: list[TaskContext]) -> list[Any]
         TaskFailure("bad_item", f"item {args.value} fails") if args.fail else {"value": args.value}
         for args in batch
     ]
+
+
+class BigArgs(BaseModel):
+    seconds: float = Field(0.0, ge=0, le=60)
+
+
+@task("test.big", gpu_memory_mb=30_000)
+def big(args: BigArgs, ctx: TaskContext) -> dict[str, Any]:
+    """Declares 30,000 MB of GPU memory: placement tests see where it runs."""
+    time.sleep(args.seconds)
+    return {"pid": os.getpid()}

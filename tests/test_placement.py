@@ -1,0 +1,109 @@
+"""Placement by GPU memory with real worker processes on fake cards of different sizes
+(the fake pynvml: a 24 GiB card and an 80 GiB one): a task that needs more than a card
+holds never runs there, one no live card could hold is refused at admission, one that
+does not fit the memory free right now waits until it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from conftest import WorkerFactory, submit, wait_status
+
+from dispatcher.contract import keys
+from testkit import fake_gpu_env, wait_for
+
+GIB_MB = 1024
+SMALL, LARGE = 24 * GIB_MB, 80 * GIB_MB  # card totals in MB
+
+
+def _workers(http: httpx.Client) -> dict[str, dict[str, Any]]:
+    return {w["name"]: w for w in http.get("/workers").json()["workers"]}
+
+
+@pytest.fixture
+def switches(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+@pytest.fixture
+def cards(
+    known_types: None, http: httpx.Client, start_worker: WorkerFactory, switches: Path
+) -> tuple[str, str]:
+    """Worker "small" on the 24 GiB card, "large" on the 80 GiB one; both serving."""
+    env = fake_gpu_env(2, switches=switches, memory_gib=[24, 80])
+    start_worker("small", extra=["--gpu", "0"], env=env)
+    start_worker("large", extra=["--gpu", "1"], env=env)
+    return "small", "large"
+
+
+def test_a_task_too_big_for_a_card_never_runs_there(
+    cards: tuple[str, str], http: httpx.Client
+) -> None:
+    listed = _workers(http)
+    assert listed["small"]["gpu_capacity_mb"] == SMALL  # no models loaded: the whole card
+    assert listed["large"]["gpu_capacity_mb"] == LARGE
+    ids = []
+    for i in range(6):
+        ids.append(("big", submit(http, "test.big", {"seconds": 0.05})["id"]))
+        ids.append(("any", submit(http, "sleep", {"seconds": 0.05})["id"]))
+        if i == 2:  # and one asking for more than its type declares, within the small card
+            ids.append(("any", submit(http, "test.big", gpu_memory_mb=100)["id"]))
+    ran_on: dict[str, set[str]] = {"big": set(), "any": set()}
+    for kind, task_id in ids:
+        record = wait_status(http, task_id, {"succeeded"})
+        ran_on[kind].add(record["worker"])
+        if kind == "big":
+            assert record["gpu_memory_mb"] == 30_000  # the type's declaration
+    assert ran_on["big"] == {"large"}  # never the 24 GiB card
+    assert "small" in ran_on["any"]  # which did take the work it could hold
+
+
+def test_a_task_no_live_card_could_hold_is_refused(
+    cards: tuple[str, str], http: httpx.Client, r: redis.Redis
+) -> None:
+    response = http.post("/tasks", json={"type": "sleep", "gpu_memory_mb": LARGE + 1})
+    assert response.status_code == 503, response.text
+    body = response.json()
+    assert body["error"] == "no_workers"
+    assert body["largest_gpu_memory_mb"] == LARGE and body["gpu_memory_mb"] == LARGE + 1
+    assert "GPU" in body["message"] and response.headers["Retry-After"] == "5"
+    # More than any card could have (max_gpu_memory_mb): not retryable.
+    response = http.post("/tasks", json={"type": "sleep", "gpu_memory_mb": 10**7})
+    assert response.status_code == 422 and "max_gpu_memory_mb" in response.json()["message"]
+    for bad in (-1, 1.5, "many", True):
+        response = http.post("/tasks", json={"type": "sleep", "gpu_memory_mb": bad})
+        assert response.status_code == 422, bad
+    assert r.llen(keys.queue("batch")) == 0  # nothing was queued
+
+
+def test_a_task_waits_while_the_card_is_full_and_runs_once_it_frees(
+    known_types: None, http: httpx.Client, start_worker: WorkerFactory, switches: Path
+) -> None:
+    env = fake_gpu_env(2, switches=switches, memory_gib=[24, 80])
+    start_worker("large", extra=["--gpu", "1"], env=env)
+    (switches / "used-1").write_text(str(79_000))  # another process fills the card
+    wait_for(
+        lambda: _workers(http)["large"]["device"]["memory_used_bytes"] == 79_000 * 2**20,
+        10,
+        what="the worker to sample the fuller card",
+    )
+    big = submit(http, "test.big")["id"]  # fits the card, not what is free on it now
+    small = submit(http, "sleep", {"seconds": 0})["id"]
+    # The worker looked at the queue (it took the task behind) and left the big one.
+    assert wait_status(http, small, {"succeeded"})["worker"] == "large"
+    assert http.get(f"/tasks/{big}").json()["status"] == "queued"
+    (switches / "used-1").unlink()  # the other process let go
+    assert wait_status(http, big, {"succeeded"}, timeout_s=20)["worker"] == "large"
+
+
+def test_a_cpu_worker_has_no_gpu_memory_limit(
+    known_types: None, http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    start_worker("cpu")
+    assert _workers(http)["cpu"]["gpu_capacity_mb"] is None
+    task_id = submit(http, "test.big", gpu_memory_mb=200_000)["id"]
+    assert wait_status(http, task_id, {"succeeded"})["worker"] == "cpu"
