@@ -90,8 +90,7 @@ def test_rq_info_lists_workers_with_state_and_current_job(
     done = wait_for(
         lambda: (
             w
-            if (w := rq_workers(r)[busy.name]).successful_job_count == 3
-            and w.get_state() == "idle"
+            if (w := rq_workers(r)[busy.name]).successful_job_count == 3 and w.get_state() == "idle"
             else None
         ),
         5,
