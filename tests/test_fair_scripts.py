@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 import redis
-from support.lua import SETTINGS, claim, register, submit, submit_reply
+from support.lua import SETTINGS, claim, park_score, register, submit, submit_reply
 
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import RECORD_FIELDS
@@ -113,7 +113,7 @@ def test_a_claim_leaves_what_does_not_fit_for_a_bigger_card(r: redis.Redis) -> N
     register(s, "big-card")
     assert claim(s, "small-card", mem=24_000) == [small]  # skipped the head
     assert claim(s, "small-card", mem=24_000) == []  # parks: nothing it can hold
-    assert r.zscore(keys.idle("batch"), "small-card") == 24_000
+    assert r.zscore(keys.idle("batch"), "small-card") == park_score(mem=24_000)
     assert claim(s, "big-card", mem=80_000) == [big]
     # A worker with no limit (the cpu device) takes anything.
     cpu = submit(s, gpu_mb=500_000)
@@ -146,6 +146,20 @@ def test_a_submit_rings_the_smallest_card_that_fits(r: redis.Redis) -> None:
     assert r.llen(keys.wake("w24")) == 0 and r.llen(keys.wake("w80")) == 0
     submit(s)  # needs nothing: the smallest card
     assert r.llen(keys.wake("w24")) == 1
+
+
+def test_a_submit_rings_the_fastest_parked_worker_first(r: redis.Redis) -> None:
+    """A pool that mixes GPU generations: speed (rank = 1000 / speed) before memory."""
+    s = SyncScripts(r)
+    for name, rank, mem in (("slow", 1000, 24_000), ("fast", 500, 80_000), ("cpu", 500, None)):
+        register(s, name)
+        assert claim(s, name, mem=mem, rank=rank) == []
+    submit(s)
+    assert r.llen(keys.wake("fast")) == 1  # the fastest; of two, the one with less free
+    submit(s)
+    assert r.llen(keys.wake("cpu")) == 1
+    submit(s, gpu_mb=20_000)  # only the slow card is left
+    assert r.llen(keys.wake("slow")) == 1
 
 
 def test_no_fitting_worker_is_refused_at_admission(r: redis.Redis) -> None:

@@ -63,6 +63,8 @@ class Broker:
             if cfg.promote_after_s is not None and cls in classes
         }
         self._address: str | None = None  # as Redis sees this client, for RQ's registry
+        # Doorbell order among parked workers: lower rings first (claim.lua's park score).
+        self._rank = round(1000 / settings.worker_speed)
 
     def _rq_view(self, info: dict[str, str], current: RqCurrent | None) -> dict[str, Any]:
         """The worker as RQ's worker registry shows it (``rq info``, rq-dashboard)."""
@@ -123,6 +125,7 @@ class Broker:
             device=device_json,
             redeliver=redeliver,
             batch=batch or {},
+            rank=self._rank,
             **({} if mem_mb is None else {"mem": mem_mb}),
         )
         reply = self._run_acked("claim", opts)

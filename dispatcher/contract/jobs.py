@@ -104,6 +104,7 @@ RECORD_FIELDS = (
     "ended_ms",
     "cancel",
     "gpu_mb",
+    "lane",  # last: get.lua reads it for a fair-share position; not in the record
 )
 
 # Bound on a decompressed call: a hostile hash cannot make a worker inflate gigabytes.

@@ -35,9 +35,10 @@ gpulane's keys::
                                             batch's ids); tasks move here from
                                             rq:queue:<class> atomically
     gpulane:idle:<class>             ZSET   workers parked waiting for that class ->
-                                            GPU memory (MB) free for a task, +inf for
-                                            no limit (cpu); a submit wakes the smallest
-                                            that fits the task (best fit)
+                                            rank (1000 / speed) x 2^32 + GPU memory
+                                            free for a task (MB; 2^31-1: no limit); a
+                                            submit wakes the lowest score that fits
+                                            (fastest, then best fit)
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms

@@ -302,6 +302,14 @@ class Settings(BaseSettings):
         description="The API publishes the task types of task_modules at start (from a "
         "subprocess, CUDA hidden), so they are known before any worker is ready.",
     )
+    worker_speed: float = Field(
+        1.0,
+        ge=0.01,
+        le=100,
+        description="Worker: relative speed of its device (`worker --speed`), e.g. 2 on a card "
+        "twice as fast as the pool's others: a submit wakes the fastest parked worker that "
+        "fits the task.",
+    )
     per_gpu: int = Field(
         1,
         ge=1,

@@ -63,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K",
         help="up to K workers share one GPU (default: GPULANE_PER_GPU, 1)",
     )
+    worker.add_argument(
+        "--speed",
+        type=float,
+        dest="worker_speed",
+        metavar="X",
+        help="relative speed of this worker's device, for a pool that mixes GPU generations: "
+        "a parked faster worker is woken first (default: GPULANE_WORKER_SPEED, 1)",
+    )
     worker.add_argument("--classes", type=_csv, help="classes to serve (default: all)")
     worker.add_argument("--tasks", type=_csv, help="task modules to load (default: built-ins)")
     worker.add_argument("--name", help="worker name (default: host.pid)")
@@ -95,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(ns: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {
         key: getattr(ns, key, None)
-        for key in ("host", "port", "redis_url", "data_dir", "api_workers")
+        for key in ("host", "port", "redis_url", "data_dir", "api_workers", "worker_speed")
     }
     return load_settings(**overrides)
 

@@ -11,7 +11,15 @@ from dispatcher.contract.reaper import lease_options
 from dispatcher.contract.scripts import SyncScripts, options
 from dispatcher.contract.settings import Settings
 
-__all__ = ["CLASSES", "SETTINGS", "claim", "register", "submit", "submit_reply"]
+__all__ = [
+    "CLASSES",
+    "SETTINGS",
+    "claim",
+    "park_score",
+    "register",
+    "submit",
+    "submit_reply",
+]
 
 SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
 CLASSES = SETTINGS.class_names
@@ -52,12 +60,18 @@ def register(s: SyncScripts, worker: str) -> None:
     assert s.run("register", opts)[0] == b"ok"
 
 
+def park_score(rank: int = 1000, mem: int | None = None) -> float:
+    """A parked worker's score in the idle sets (the prelude's park_score)."""
+    return float(rank * 2**32 + min(mem if mem is not None else 2**31 - 1, 2**31 - 1))
+
+
 def claim(
     s: SyncScripts,
     worker: str,
     mem: int | None = None,
     batch: dict[str, int] | None = None,
     classes: list[str] = CLASSES,
+    rank: int = 1000,
 ) -> list[str]:
     """Ids of the tasks one claim took (empty: the worker parked)."""
     opts = options(
@@ -68,6 +82,7 @@ def claim(
         device="{}",
         redeliver=False,
         batch=batch or {},
+        rank=rank,
         **({} if mem is None else {"mem": mem}),
     )
     reply = s.run("claim", opts)

@@ -34,23 +34,38 @@ local function notify(id)
   redis.call('PUBLISH', K.EVENTS, id)
 end
 
--- Ring the doorbell of one worker parked on this class whose GPU has `need` MB free
--- (0 or nil: any worker): the smallest such (best fit), so big cards stay free for the
--- tasks only they can run. It leaves every idle set, so a second task does not wake
--- the same worker while another one sits idle. None fits: nobody is rung; a worker
--- finishing its task, or a parked one's periodic look, takes it.
+-- A parked worker's score in the idle sets: its rank (round(1000 / its speed): faster
+-- is lower) above, the GPU memory it has free for a task (MB, NO_LIMIT without a GPU)
+-- below. The lowest score is the fastest worker, and among equally fast ones the one
+-- with the least memory free (best fit: big cards stay free for what only they hold).
+local MEM_SPAN = 4294967296 -- 2^32: memory fits below it; scores stay exact doubles
+local NO_LIMIT = 2147483647 -- MB: "no limit" (a cpu worker)
+local function park_score(rank, mem)
+  return (tonumber(rank) or 1000) * MEM_SPAN + math.min(tonumber(mem) or NO_LIMIT, NO_LIMIT)
+end
+
+-- Ring the doorbell of the first parked worker of this class (by score, above) whose
+-- GPU has `need` MB free (0 or nil: any worker). It leaves every idle set, so a second
+-- task does not wake the same worker while another one sits idle. None fits: nobody is
+-- rung; a worker finishing its task, or a parked one's periodic look, takes it.
+local IDLE_SCAN = 256 -- parked workers looked at for a task that needs memory
 local function wake(cls, classes, need)
   local ik = K.idle(cls)
-  local found
+  local w
   need = tonumber(need) or 0
   if need > 0 then
-    found = redis.call('ZRANGEBYSCORE', ik, need, '+inf', 'LIMIT', 0, 1)
+    local parked = redis.call('ZRANGE', ik, 0, IDLE_SCAN - 1, 'WITHSCORES')
+    for i = 1, #parked, 2 do
+      if tonumber(parked[i + 1]) % MEM_SPAN >= need then w = parked[i]; break end
+    end
+    if w then redis.call('ZREM', ik, w) end
   else
-    found = redis.call('ZRANGE', ik, 0, 0)
+    w = redis.call('ZPOPMIN', ik)[1] -- one command: the usual doorbell costs no more
   end
-  local w = found[1]
   if w then
-    for _, c in ipairs(classes) do redis.call('ZREM', K.idle(c), w) end
+    for _, c in ipairs(classes) do
+      if c ~= cls then redis.call('ZREM', K.idle(c), w) end
+    end
     redis.call('LPUSH', K.wake(w), '1')
   end
   return w

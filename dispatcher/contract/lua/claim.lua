@@ -8,8 +8,9 @@
 -- Placement: with `mem` (MB of GPU memory free for a task on this worker's card), a
 -- task whose gpu_mb is more is left for a worker that can hold it, and the first of
 -- the next SCAN tasks that fits is taken instead (per lane under fair share).
--- With nothing to take, the worker parks in the idle sets of its classes (scored by
--- `mem`), where submit.lua finds it to ring its doorbell.
+-- With nothing to take, the worker parks in the idle sets of its classes, scored by its
+-- `rank` (from its speed) and `mem` (see park_score in the prelude), where submit.lua
+-- finds it to ring its doorbell.
 -- Dynamic batching: when the task taken is of a type in `batch` ({type: max_size}),
 -- the same step takes the next tasks of the class (in the same order a claim would)
 -- while they are of that type, up to max_size in all, and none while a higher class
@@ -18,19 +19,24 @@
 -- `more` ({class, type, n}): only take up to n more such tasks (a short batch waiting
 -- for more); nothing is parked.
 -- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
---           redeliver (the caller lost the reply of its last claim), batch, mem?, more?}
+--           redeliver (the caller lost the reply of its last claim), batch, rank?, mem?,
+--           more?}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
 -- started_ms, file|nil, type}; more than one only for a batch) or nil; with `more`,
 -- {stop (1: stop waiting), task, ...}.
 local o = cjson.decode(ARGV[1])
 local w = o.worker
 local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type',
-  'gpu_mb'}
+  'gpu_mb', 'lane'}
 local SCAN = 32 -- tasks looked at past one that does not fit this worker's GPU
 local MAX_LANES = 64 -- lanes looked at when none of the first has a task that fits
 
 local function fits(f)
   return not o.mem or (tonumber(f[8]) or 0) <= o.mem
+end
+
+local function live(f)
+  return f[1] == 'queued' and f[2]
 end
 
 -- The first task of list `key` this worker may run: the head or, when the head does
@@ -41,7 +47,7 @@ local function first_fit(key)
     local id = redis.call('LINDEX', key, 0)
     if not id then return nil end
     local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-    if f[1] == 'queued' and f[2] then
+    if live(f) then
       if fits(f) then return id, f, 0 end
       break
     end
@@ -49,20 +55,13 @@ local function first_fit(key)
   end
   for i, id in ipairs(redis.call('LRANGE', key, 1, SCAN)) do
     local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-    if f[1] == 'queued' and f[2] and fits(f) then return id, f, i end
+    if live(f) and fits(f) then return id, f, i end
   end
   return nil
 end
 
--- The task a claim on class c would take, not yet taken: {c, id, f, index, lane, tag}.
-local function peek(c)
-  local lk = K.lanes(c)
-  local active = redis.call('ZRANGE', lk, 0, MAX_LANES - 1, 'WITHSCORES')
-  if #active == 0 then -- no fair share here: arrival order
-    local id, f, index = first_fit(K.queue(c))
-    if id then return {c, id, f, index, false} end
-    return nil
-  end
+-- Under fair share: the first task that fits from the lanes in tag order.
+local function peek_lanes(c, active)
   for i = 1, #active, 2 do
     local t, tag = active[i], tonumber(active[i + 1])
     local key = K.lane(c, t)
@@ -73,17 +72,43 @@ local function peek(c)
   return nil
 end
 
+-- The task a claim on class c would take: {c, id, f, index, lane, tag, moved}. The
+-- common case costs what a plain dequeue does: the head is moved into the in-flight
+-- list at once (moved = true) and read; a head that is in a fair-share lane, or does
+-- not fit, goes back (unpeek) and the lanes or the next tasks are looked at.
+local function peek(c)
+  local qk, ik = K.queue(c), K.inflight(w, c)
+  while true do
+    local id = redis.call('LMOVE', qk, ik, 'LEFT', 'RIGHT')
+    if not id then return nil end
+    local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
+    if live(f) then
+      if (not f[9] or f[9] == '') and fits(f) then return {c, id, f, 0, false, 0, true} end
+      redis.call('LMOVE', ik, qk, 'RIGHT', 'LEFT') -- back to its head
+      break
+    end
+    redis.call('LREM', ik, -1, id) -- stale: record expired or already final
+  end
+  local active = redis.call('ZRANGE', K.lanes(c), 0, MAX_LANES - 1, 'WITHSCORES')
+  if #active > 0 then return peek_lanes(c, active) end
+  local id, f, index = first_fit(qk) -- the head did not fit this worker
+  if id then return {c, id, f, index, false, 0, false} end
+  return nil
+end
+
+-- Put a peeked task that is not taken after all back at the head of its class.
+local function unpeek(p)
+  if p[7] then redis.call('LMOVE', K.inflight(w, p[1]), K.queue(p[1]), 'RIGHT', 'LEFT') end
+end
+
 -- Take the peeked task: out of its lists into the in-flight list; charge its tenant.
 local function take(p, now)
   local c, id, f, index, t, tag = p[1], p[2], p[3], p[4], p[5], p[6]
+  if p[7] then return end -- already moved by peek
   local ik = K.inflight(w, c)
   if not t then
-    if index == 0 then
-      redis.call('LMOVE', K.queue(c), ik, 'LEFT', 'RIGHT')
-    else
-      redis.call('LREM', K.queue(c), 1, id)
-      redis.call('RPUSH', ik, id)
-    end
+    redis.call('LREM', K.queue(c), 1, id) -- a task past the head that fits
+    redis.call('RPUSH', ik, id)
     return
   end
   local key = K.lane(c, t)
@@ -141,7 +166,7 @@ local function take_same(c, t, n, now, out)
   for _ = 1, n do
     local p = peek(c)
     if not p then return false end
-    if p[3][7] ~= t then return true end
+    if p[3][7] ~= t then unpeek(p); return true end
     out[#out + 1] = start(p, now)
   end
   return false
@@ -202,11 +227,14 @@ for i, c in ipairs(o.classes) do
     local now = now_ms()
     local older = aged_below(i, now)
     local aged = older and peek(older)
-    if aged then return {start(aged, now)} end -- higher class queued: no batch
+    if aged then
+      unpeek(p)
+      return {start(aged, now)} -- higher class queued: no batch
+    end
     return with_batch(start(p, now), c, p[3][7], now)
   end
 end
 
-local score = o.mem or '+inf'
+local score = park_score(o.rank, o.mem)
 for _, c in ipairs(o.classes) do redis.call('ZADD', K.idle(c), score, w) end
 return nil
