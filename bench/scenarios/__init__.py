@@ -14,4 +14,5 @@ SCENARIOS = (
     "recovery",
     "latency",
     "embed",
+    "fair",
 )
