@@ -6,11 +6,15 @@ tests/test_placement.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import redis
+import redis.asyncio as aioredis
 from support.lua import SETTINGS, claim, park_score, register, submit, submit_reply
 
+from dispatcher.api.exporter import parse, pool_families, render
+from dispatcher.api.pool import Pool, Snapshot
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import RECORD_FIELDS
 from dispatcher.contract.reaper import lease_options
@@ -167,3 +171,28 @@ def test_no_fitting_worker_is_refused_at_admission(r: redis.Redis) -> None:
     reply = submit_reply(s, gpu_mb=90_000, workers=0, no_fit=True)
     assert reply[0] == b"no_workers"
     assert r.llen(keys.queue("batch")) == 0
+
+
+def test_each_tenants_queue_is_in_the_snapshot_and_the_metrics(
+    r: redis.Redis, redis_url: str
+) -> None:
+    s = SyncScripts(r)
+    for tenant, n in (("bulk", 4), ("small", 1)):
+        for _ in range(n):
+            submit(s, tenant=tenant, weight=1)
+    submit(s, "interactive", tenant="bulk", weight=1)
+
+    async def read() -> Snapshot:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await Pool(client, SETTINGS).snapshot()
+        finally:
+            await client.aclose()
+
+    snap = asyncio.run(read())
+    assert dict(snap.classes["batch"].tenants) == {"bulk": 4, "small": 1}
+    assert dict(snap.classes["interactive"].tenants) == {"bulk": 1}
+    assert snap.classes["batch"].depth == 5  # the class queue counts them all
+    text = render(pool_families(parse({}), snap))[0].decode()
+    assert 'gpulane_tenant_queued_tasks{class="batch",tenant="bulk"} 4.0' in text
+    assert 'gpulane_tenant_queued_tasks{class="batch",tenant="small"} 1.0' in text

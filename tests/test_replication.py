@@ -37,8 +37,13 @@ def replica(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[[], 
     redis_server.client().execute_command("REPLICAOF", "NO", "ONE")  # it stays a master
 
 
-def _api(redis_url: str, api_factory: Callable[[Settings], ApiServer]) -> httpx.Client:
-    settings = make_settings(redis_url, min_replica_acks=1, replica_ack_timeout_s=0.2)
+def _api(
+    redis_url: str, api_factory: Callable[[Settings], ApiServer], ack_timeout_s: float = 5.0
+) -> httpx.Client:
+    """An API whose submits wait for one replica. With a replica attached the timeout is
+    generous (a loaded machine may take a while to ack; the answer comes at the ack);
+    the test without one waits it out, so it passes a shorter one."""
+    settings = make_settings(redis_url, min_replica_acks=1, replica_ack_timeout_s=ack_timeout_s)
     return httpx.Client(base_url=api_factory(settings).url, timeout=10)
 
 
@@ -49,7 +54,7 @@ def test_submit_without_replica_acks_is_503_and_the_key_finds_it_later(
     api_factory: Callable[[Settings], ApiServer],
     replica: Callable[[], RedisServer],
 ) -> None:
-    http = _api(redis_url, api_factory)
+    http = _api(redis_url, api_factory, ack_timeout_s=1.0)
     body = {"type": "echo", "args": {"n": 1}}
     headers = {"Idempotency-Key": "order-1"}
     refused = http.post("/tasks", json=body, headers=headers)
@@ -90,7 +95,7 @@ def test_workers_claim_and_report_through_replica_acks(
     """Workers with min_replica_acks send each claim and report with a WAIT (one round
     trip); with a replica attached tasks flow as usual."""
     copy = replica()
-    start_worker(min_replica_acks=1, replica_ack_timeout_s=0.5)
+    start_worker(min_replica_acks=1, replica_ack_timeout_s=5.0)
     http = _api(redis_url, api_factory)
     ids = [
         http.post("/tasks", json={"type": "echo", "args": {"i": i}}).json()["id"] for i in range(5)

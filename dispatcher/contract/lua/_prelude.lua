@@ -131,14 +131,18 @@ end
 -- Tasks a task at index k of tenant t's lane has ahead of it in fair order: k of its
 -- own, and from every other active lane u the tasks whose start tags come before its
 -- own (tag_t + k / w_t), at most that lane's length. An estimate: later arrivals of
--- idle tenants and tasks given back move it.
+-- idle tenants and tasks given back move it, and only the AHEAD_LANES lanes with the
+-- smallest tags are counted (a read bounded however many tenants there are).
+local AHEAD_LANES = 64
 local function fair_ahead(cls, t, k)
   local v, saved, w = fair_state(cls, t)
   local lk = K.lanes(cls)
   local mine = redis.call('ZSCORE', lk, t)
   local at = (mine and tonumber(mine) or math.max(v, saved)) + k / w
   local ahead = k
-  local active = redis.call('ZRANGE', lk, 0, -1, 'WITHSCORES')
+  -- The bound is sent as text (14 digits): a little slack keeps a tie on `at` in.
+  local active = redis.call('ZRANGEBYSCORE', lk, '-inf', at + 1e-6, 'WITHSCORES', 'LIMIT', 0,
+    AHEAD_LANES)
   for i = 1, #active, 2 do
     local u, su = active[i], tonumber(active[i + 1])
     if u ~= t and su <= at then
