@@ -196,3 +196,22 @@ def test_each_tenants_queue_is_in_the_snapshot_and_the_metrics(
     text = render(pool_families(parse({}), snap))[0].decode()
     assert 'gpulane_tenant_queued_tasks{class="batch",tenant="bulk"} 4.0' in text
     assert 'gpulane_tenant_queued_tasks{class="batch",tenant="small"} 1.0' in text
+
+
+def test_tasks_queued_without_a_lane_are_not_starved_by_laned_ones(r: redis.Redis) -> None:
+    """Fair share turned on with tasks queued: those are served as they reach the head,
+    whatever stream of laned work follows."""
+    s = SyncScripts(r)
+    old = [submit(s, tenant="a") for _ in range(2)]  # no weight: no lane (fair share off)
+    laned_a = submit(s, tenant="a", weight=1)
+    middle = submit(s, tenant="b")  # no lane, behind a laned task
+    laned = [submit(s, tenant=t, weight=1) for t in ("b", "c", "b", "c")]
+    register(s, "w")
+    assert [claim(s, "w")[0] for _ in range(2)] == old  # the head first, in order
+    taken = [claim(s, "w")[0] for _ in range(3)]
+    assert taken[0] == laned_a  # a's lane had the smallest tag (ties: the name)
+    assert taken[1] == middle  # once laned_a left the head, the lane-less task was next
+    assert sorted(taken + [claim(s, "w")[0] for _ in range(3)]) == sorted(
+        [laned_a, middle, *laned]
+    )
+    assert r.llen(keys.queue("batch")) == 0 and r.zcard(keys.lanes("batch")) == 0
