@@ -616,7 +616,7 @@ def _targets(
             None,
         ),
         Target(
-            f"reference, pull {RANDOM} (model), p99 / ideal, {top:.0%} load",
+            f"reference, pull {RANDOM}, model, p99 / ideal, {top:.0%} load",
             f"{spreads[top].seeds} seeds",
             "-",
             f"median {spreads[top].median:.2f}x, p90 {spreads[top].p90:.2f}x",
@@ -628,7 +628,7 @@ def _targets(
         within = sum(d.random.within_2pct for d in by_seed) / len(by_seed)
         report.targets.append(
             Target(
-                f"reference, pull {RANDOM} (model), p99 / ideal, {load:.0%} load, "
+                f"reference, pull {RANDOM}, model, p99 / ideal, {load:.0%} load, "
                 f"{len(by_seed)} draws of the trace",
                 f"{DOORBELL_SEEDS} seeds each, {SIZES['full'].tasks} tasks",
                 f"({TARGET:.2f}x ideal)",
