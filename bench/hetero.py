@@ -7,9 +7,12 @@ rows, the shape the measured systems produce, so one set of metrics covers both.
 
 - :func:`central`: one FCFS queue. When the task at its head can start, it goes to a
   free worker; ``pick`` chooses among the free ones. ``fastest`` (the fastest free
-  worker, then the lowest index) is the ideal central queue; ``random_pick`` is how
-  gpulane's doorbell picks (``SPOP`` of the class's set of parked workers). A task that
-  waited starts on the first worker to free up, in both.
+  worker, then the lowest index) is the ideal central queue; ``doorbell`` is how
+  gpulane's doorbell picks among parked workers that declared their speeds (``ZPOPMIN``
+  of the class's idle set: the lowest rank ``round(1000 / speed)``, then, free GPU
+  memory being equal, the name); ``random_pick`` is a speed-blind doorbell (any parked
+  worker: gpulane's before workers declared speeds, ``SPOP`` of a set). A task that
+  waited starts on the first worker to free up, in all.
 - :func:`push`: each task joins one worker's own queue when it arrives, served FCFS by
   that worker. Routers: ``"rr"`` round-robin, ``"lc"`` least connections (fewest
   outstanding tasks, queued + running, ties round-robin), ``"ll"`` lowest latency (the
@@ -39,8 +42,17 @@ def fastest(slowdown: Sequence[float]) -> Pick:
     return lambda free: min(free, key=lambda k: (slowdown[k], k))
 
 
+def doorbell(slowdown: Sequence[float], names: Sequence[str]) -> Pick:
+    """gpulane's doorbell when each worker declares ``worker_speed`` = 1 / its slowdown
+    and all have the same GPU memory free (or none: the cpu): ``ZPOPMIN`` of the idle
+    set, scored ``round(1000 / speed) x 2^32 + free MB``; equal scores go by name."""
+    rank = [round(1000 / (1 / s)) for s in slowdown]
+    return lambda free: min(free, key=lambda k: (rank[k], names[k]))
+
+
 def random_pick(seed: int) -> Pick:
-    """Any free worker, uniformly (gpulane's doorbell: ``SPOP`` of the idle set)."""
+    """Any free worker, uniformly: a doorbell blind to speed (gpulane's before worker
+    speeds: ``SPOP`` of the idle set)."""
     rng = random.Random(seed)
     return lambda free: free[rng.randrange(len(free))]
 

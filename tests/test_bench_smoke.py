@@ -57,3 +57,16 @@ def test_mixed_models_reduce_to_balancing_on_equal_speeds() -> None:
     assert hetero.push(trace, speeds, "lc") == tr.least_connections(trace)
     slow = hetero.central(trace, [2.0] * 4, hetero.fastest([2.0] * 4))
     assert [t.ended - t.started for t in slow] == pytest.approx([2 * s for s in trace.services])
+
+
+def test_mixed_doorbell_with_declared_speeds_is_the_ideal() -> None:
+    """gpulane's doorbell order (rank from the declared speed, then name) on the mixed
+    pool's workers, named slow first, is fastest free first, task for task."""
+    from bench import hetero
+    from bench.scenarios import mixed
+
+    cfg = mixed.SIZES["quick"]
+    trace = mixed.make_trace(cfg, 0.9)
+    ideal = hetero.central(trace, cfg.speeds, hetero.fastest(cfg.speeds))
+    assert mixed.declared(trace, cfg) == ideal
+    assert sorted(cfg.names("pull"))[0].endswith("S1")  # by name alone: slow first
