@@ -211,7 +211,5 @@ def test_tasks_queued_without_a_lane_are_not_starved_by_laned_ones(r: redis.Redi
     taken = [claim(s, "w")[0] for _ in range(3)]
     assert taken[0] == laned_a  # a's lane had the smallest tag (ties: the name)
     assert taken[1] == middle  # once laned_a left the head, the lane-less task was next
-    assert sorted(taken + [claim(s, "w")[0] for _ in range(3)]) == sorted(
-        [laned_a, middle, *laned]
-    )
+    assert sorted(taken + [claim(s, "w")[0] for _ in range(3)]) == sorted([laned_a, middle, *laned])
     assert r.llen(keys.queue("batch")) == 0 and r.zcard(keys.lanes("batch")) == 0

@@ -36,7 +36,7 @@ def cards(
     """Worker "small" on the 24 GiB card, "large" on the 80 GiB one; both serving."""
     env = fake_gpu_env(2, switches=switches, memory_gib=[24, 80])
     start_worker("small", extra=["--gpu", "0"], env=env)
-    start_worker("large", extra=["--gpu", "1"], env=env)
+    start_worker("large", extra=["--gpu", "1", "--speed", "2"], env=env)
     return "small", "large"
 
 
@@ -46,6 +46,7 @@ def test_a_task_too_big_for_a_card_never_runs_there(
     listed = _workers(http)
     assert listed["small"]["gpu_capacity_mb"] == SMALL  # no models loaded: the whole card
     assert listed["large"]["gpu_capacity_mb"] == LARGE
+    assert (listed["small"]["speed"], listed["large"]["speed"]) == (1.0, 2.0)  # as declared
     ids = []
     for i in range(6):
         ids.append(("big", submit(http, "test.big", {"seconds": 0.05})["id"]))

@@ -95,6 +95,7 @@ class _Worker:
         client = sync_client(settings, socket_timeout=10, connect_timeout=5)
         self.broker = Broker(client, settings, name, served)
         self.state = WorkerState(name, None, served, [])
+        self.state.speed = settings.worker_speed
         self.recorder = Recorder()
         self.interrupts = Interrupts()
         self.runner = Runner(

@@ -42,6 +42,7 @@ class WorkerState:
         self.device_sample: dict[str, Any] = {}
         self.models: dict[str, dict[str, Any]] = {}  # model id -> {"load_s", "device"}
         self.gpu_capacity_mb: int | None = None  # most GPU memory a task could get; None: no limit
+        self.speed = 1.0  # declared relative speed (worker_speed): doorbell order
         self.stop_requested_at: float | None = None  # monotonic
         self.unhealthy_at: float | None = None  # monotonic
         self.recycled = False  # stopping because its memory grew past max_worker_rss_mb
@@ -118,4 +119,5 @@ class WorkerState:
             "started_ms": str(self.started_ms),
             "models": json.dumps(self.models),
             "gpu_capacity_mb": "" if self.gpu_capacity_mb is None else str(self.gpu_capacity_mb),
+            "speed": repr(self.speed),
         }

@@ -106,6 +106,7 @@ def _worker_view(
         "reason": info.get("reason") or None,
         "models": json.loads(info.get("models", "{}")),
         "gpu_capacity_mb": int(info["gpu_capacity_mb"]) if info.get("gpu_capacity_mb") else None,
+        "speed": float(info.get("speed") or 1.0),
     }
 
 
