@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from dispatcher import __version__
 from dispatcher.contract import keys
@@ -23,7 +23,7 @@ from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent, rq_worker_view
 
-__all__ = ["Broker", "Claimed"]
+__all__ = ["Beat", "Broker", "Claimed", "Lease"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,33 @@ class Claimed:
     task_type: str = ""  # the job hash's ``type`` (the call data says it again)
 
 
+@dataclass(frozen=True)
+class Lease:
+    """heartbeat.lua's answer: whether the lease was live (False: it had been reaped and
+    is renewed afresh), the task ids to cancel, and whether the run in progress is still
+    the task's current attempt (False once a later attempt superseded it)."""
+
+    renewed: bool
+    cancels: list[str]
+    held: bool
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat's three answers, each a reply or the error Redis gave that script."""
+
+    reaped: list[Reaped] | RedisError
+    lease: Lease | RedisError
+    gpu: str | RedisError | None  # 'held', 'retaken' or who took it; None: no claim
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _lease(reply: list[Any]) -> Lease:
+    renewed, cancels, held = reply
+    return Lease(bool(renewed), [_text(c) for c in cancels], bool(held))
 
 
 class Broker:
@@ -214,14 +239,16 @@ class Broker:
 
     # GPU claims (gpu_lease.lua): slots are (uuid, slot number) pairs.
 
-    def _gpu(self, op: str, slots: list[tuple[str, int]]) -> Any:
-        opts = options(
+    def _gpu_options(self, op: str, slots: list[tuple[str, int]]) -> str:
+        return options(
             op=op,
             worker=self.name,
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             slots=[list(slot) for slot in slots],
         )
-        return self._scripts.run("gpu_lease", opts)
+
+    def _gpu(self, op: str, slots: list[tuple[str, int]]) -> Any:
+        return self._scripts.run("gpu_lease", self._gpu_options(op, slots))
 
     def gpu_take(self, slots: list[tuple[str, int]]) -> tuple[int | None, list[str]]:
         """Claim the first free slot: (its index in ``slots``, []) or (None, holders)."""
@@ -229,10 +256,6 @@ class Broker:
         if int(reply[0]) > 0:
             return int(reply[0]) - 1, []
         return None, [_text(holder) for holder in reply[1:]]
-
-    def gpu_renew(self, slot: tuple[str, int]) -> str:
-        """'held', 'retaken' (had expired, ours again) or the name of who took it."""
-        return _text(self._gpu("renew", [slot]))
 
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
@@ -244,19 +267,21 @@ class Broker:
         value = json.dumps({"fraction": round(fraction, 4), "message": message})
         return bool(self._scripts.run("progress", opts, value))
 
-    def heartbeat(
+    def beat(
         self,
         info: dict[str, str],
         current: RqCurrent | None,
         drained: Drained,
         tau_s: float,
         task: Claimed | None = None,
-    ) -> tuple[bool, list[str], bool]:
-        """Renew the lease, publish the worker (``current``: the task it runs, for RQ's
-        registry) and flush metrics. Returns (lease was live, ids to cancel, ``task`` is
-        still this worker's current run: False once a later attempt superseded it)."""
+        gpu_slot: tuple[str, int] | None = None,
+    ) -> Beat:
+        """One heartbeat in one round trip: a reaper pass, then renew the lease and
+        publish the worker (``current``: the task it runs, for RQ's registry) and flush
+        metrics, then renew the GPU claim. Each script stands alone: a refused one (Redis
+        full refuses the reaper, which may write) is its error in the :class:`Beat`."""
         running = {"task": {"id": task.task_id, "attempt": task.attempt}} if task else {}
-        opts = options(
+        beat = options(
             **running,
             worker=self.name,
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
@@ -267,11 +292,15 @@ class Broker:
             floats=drained.floats,
             runs=drained.runs,
         )
-        renewed, cancels, held = self._scripts.run("heartbeat", opts)
-        return bool(renewed), [_text(c) for c in cancels], bool(held)
-
-    def reap(self) -> list[Reaped]:
-        return parse_reaped(self._scripts.run("reap", reap_options(self.settings)))
+        calls = [("reap", reap_options(self.settings)), ("heartbeat", beat)]
+        if gpu_slot is not None:
+            calls.append(("gpu_lease", self._gpu_options("renew", [gpu_slot])))
+        reap, heartbeat, *gpu = self._scripts.run_many(calls)
+        return Beat(
+            reaped=reap if isinstance(reap, RedisError) else parse_reaped(reap),
+            lease=heartbeat if isinstance(heartbeat, RedisError) else _lease(heartbeat),
+            gpu=(gpu[0] if isinstance(gpu[0], RedisError) else _text(gpu[0])) if gpu else None,
+        )
 
     def unregister(self) -> list[Reaped]:
         return parse_reaped(self._scripts.run("unregister", options(**self._lease_opts())))

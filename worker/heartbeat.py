@@ -17,7 +17,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.metrics import Recorder
-from dispatcher.contract.reaper import record_reaped
+from dispatcher.contract.reaper import Reaped, record_reaped
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent
 from worker.broker import Broker
@@ -112,35 +112,50 @@ class Heartbeat:
             log.warning("redis unreachable: %s", exc, extra={"worker": self.state.name})
 
     def beat(self, relist: bool = False) -> None:
-        """One report. ``relist``: the worker was just unregistered on purpose."""
+        """One report, one round trip (reaper, lease, GPU claim). ``relist``: the worker
+        was just unregistered on purpose."""
         if self.watch is not None:
             self.state.device_sample = self.watch.latest()
-        # The reaper first: what it records leaves with this beat's metrics. Redis full
-        # refuses it whole (it may write); the lease renewal below is allowed anyway.
-        try:
-            record_reaped(self.broker.reap(), self.recorder, "gave back a dead worker's task")
-        except OutOfMemoryError:
-            log.warning("redis is full (maxmemory): reaper pass skipped")
         drained = self.recorder.drain()
         current = self.runner.current
         running = current.claimed if current is not None else None
         try:
-            renewed, cancels, held = self.broker.heartbeat(
-                self.state.info(), self._current(), drained, RUN_TIME_TAU_S, running
+            beat = self.broker.beat(
+                self.state.info(),
+                self._current(),
+                drained,
+                RUN_TIME_TAU_S,
+                running,
+                self.gpu_slot,
             )
         except RedisError:
             self.recorder.restore(drained)
             raise
-        if not renewed and not relist:
+        if isinstance(beat.lease, RedisError):
+            self.recorder.restore(drained)  # not folded in: they go with the next beat
+            raise beat.lease
+        self._reaped(beat.reaped)
+        if not beat.lease.renewed and not relist:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
-        if current is not None and not held:
+        if current is not None and not beat.lease.held:
             self._stale_run(current)
-        for task_id in cancels:  # first: the script already took them off the list
+        for task_id in beat.lease.cancels:  # first: the script already took them off the list
             log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
             self.runner.cancel(task_id)
-        self._renew_gpu()
+        self._gpu_renewed(beat.gpu)
+
+    def _reaped(self, reaped: list[Reaped] | RedisError) -> None:
+        """Count what the reaper pass gave back (it goes out with the next beat's
+        metrics). Redis full refuses the pass whole (it may write), while the lease
+        renewal in the same round trip is allowed: the pass waits for room."""
+        if isinstance(reaped, OutOfMemoryError):
+            log.warning("redis is full (maxmemory): reaper pass skipped")
+        elif isinstance(reaped, RedisError):
+            log.warning("reaper pass failed: %s", reaped, extra={"worker": self.state.name})
+        else:
+            record_reaped(reaped, self.recorder, "gave back a dead worker's task")
 
     def _current(self) -> RqCurrent | None:
         """The task running now, for RQ's worker registry."""
@@ -159,11 +174,12 @@ class Heartbeat:
         )
         self.interrupts.request(LeaseLost, current)
 
-    def _renew_gpu(self) -> None:
+    def _gpu_renewed(self, verdict: str | RedisError | None) -> None:
         slot = self.gpu_slot
-        if slot is None:
+        if slot is None or verdict is None:
             return
-        verdict = self.broker.gpu_renew(slot)
+        if isinstance(verdict, RedisError):
+            raise verdict  # an outage for the claim as for the lease: retried, backed off
         if verdict == "retaken":
             log.warning("GPU claim had expired; taken again", extra={"worker": self.state.name})
         elif verdict != "held":

@@ -134,6 +134,16 @@ class SyncScripts:
     def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
         return self._bound[name](keys=[], args=[opts, *payload])
 
+    def run_many(self, calls: list[tuple[str, str]]) -> list[Any]:
+        """Several scripts (name, options) in one round trip, in order, each atomic on its
+        own. A script Redis refused (full, read-only, an error) is its exception in the
+        list, the others' replies unaffected; a lost connection raises."""
+        pipe = self.client.pipeline(transaction=False)
+        for name, opts in calls:
+            self._bound[name](keys=[], args=[opts], client=pipe)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
+
     def run_acked(
         self, name: str, replicas: int, timeout_ms: int, opts: str, *payload: bytes | str
     ) -> tuple[Any, int]:
