@@ -17,7 +17,7 @@ from dispatcher.api.exporter import parse, pool_families, render
 from dispatcher.api.pool import Pool, Snapshot
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import RECORD_FIELDS
-from dispatcher.contract.reaper import lease_options
+from dispatcher.contract.reaper import lease_options, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
 
 
@@ -213,3 +213,25 @@ def test_tasks_queued_without_a_lane_are_not_starved_by_laned_ones(r: redis.Redi
     assert taken[1] == middle  # once laned_a left the head, the lane-less task was next
     assert sorted(taken + [claim(s, "w")[0] for _ in range(3)]) == sorted([laned_a, middle, *laned])
     assert r.llen(keys.queue("batch")) == 0 and r.zcard(keys.lanes("batch")) == 0
+
+
+def test_a_result_from_a_worker_presumed_dead_takes_the_task_out_of_its_lane(
+    r: redis.Redis,
+) -> None:
+    """A worker lost its lease (a partition), the reaper put its task back in the queue
+    and its lane, and nobody started it again: the late report is kept and the task
+    leaves both lists."""
+    s = SyncScripts(r)
+    task_id = submit(s, tenant="a", weight=1)
+    other = submit(s, tenant="a", weight=1)
+    register(s, "w")
+    assert claim(s, "w") == [task_id]
+    r.zadd(keys.WORKERS, {"w": 0})  # its lease ran out
+    (line,) = s.run("reap", reap_options(SETTINGS))
+    assert line.decode().endswith("|requeued")
+    assert r.lrange(keys.lane("batch", "a"), 0, -1) == [task_id.encode(), other.encode()]
+    finish = options(id=task_id, worker="w", attempt=1, status="finished", error="",
+                     progress="", ttl_s=60, **{"class": "batch"})  # fmt: skip
+    assert s.run("finish", finish, "{}")[0] == b"ok"
+    assert r.lrange(keys.lane("batch", "a"), 0, -1) == [other.encode()]
+    assert r.lrange(keys.queue("batch"), 0, -1) == [other.encode()]

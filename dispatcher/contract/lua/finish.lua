@@ -3,7 +3,7 @@
 -- again) is fenced: dropped and counted, the record untouched, the in-flight list of
 -- the current run left alone. If the task already ended, nothing changes: results are
 -- reported once. If it was handed back meanwhile and nobody started it again, the
--- result is kept and it leaves the queue.
+-- result is kept and it leaves the queue (and its tenant's lane).
 -- ARGV[1]: {id, worker, class, attempt, status, error, progress, ttl_s};
 -- ARGV[2]: result JSON or ''.
 -- Returns {'ok', ended_ms} | {'duplicate', status} | {'gone'} | {'fenced'}.
@@ -11,7 +11,7 @@ local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local ik = K.inflight(o.worker, o.class)
 local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'attempts',
-  'origin', 'bytes')
+  'origin', 'bytes', 'lane')
 if not f[1] then
   redis.call('LREM', ik, 0, o.id)
   return {'gone'}
@@ -21,7 +21,10 @@ if tonumber(f[5]) ~= o.attempt or (f[1] == 'started' and f[2] ~= o.worker) then
 end
 local removed = redis.call('LREM', ik, 0, o.id)
 if FINAL[f[1]] then return {'duplicate', f[1]} end
-if removed == 0 then redis.call('LREM', K.queue(o.class), 0, o.id) end
+if removed == 0 then -- handed back, queued again: it leaves the queue and its lane
+  redis.call('LREM', K.queue(o.class), 0, o.id)
+  unlane(o.class, o.id, f[8])
+end
 local now = now_ms()
 local extra = {}
 if ARGV[2] ~= '' then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end
