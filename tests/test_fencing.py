@@ -18,48 +18,31 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, wait_status
+from support.lua import CLASSES, SETTINGS, claim_tasks, finish, register, submit
 
 from dispatcher.api.exporter import parse, pool_families, render
 from dispatcher.api.pool import Snapshot
-from dispatcher.api.store import Submission, submit_options
 from dispatcher.contract import keys
-from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.reaper import lease_options, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
-from dispatcher.contract.settings import Settings
 from testkit import wait_for
-
-SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
-CLASSES = SETTINGS.class_names
 
 
 def _submit(s: SyncScripts) -> str:
-    sub = Submission("echo", "batch", {}, timeout_s=60, tenant="t")
-    opts = submit_options(sub, SETTINGS.classes["batch"], workers=1, run_s=1.0, settings=SETTINGS)
-    reply = s.run("submit", opts, encode_call("echo", {}), "")
-    return str(reply[1].decode())
+    return submit(s)
 
 
-def _register(s: SyncScripts, worker: str) -> None:
-    rq = {"fields": {"state": "idle"}, "queues": CLASSES, "execution": None}
-    opts = options(
-        **lease_options(SETTINGS), worker=worker, info={"state": "idle"}, catalog={}, rq=rq
-    )
-    assert s.run("register", opts)[0] == b"ok"
+_register = register
 
 
 def _claim(s: SyncScripts, worker: str) -> int:
     """Claim the next task; its attempt number (the fencing token)."""
-    opts = options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}",
-                   redeliver=False)  # fmt: skip
-    (task,) = s.run("claim", opts)  # one task: not a batched type
+    (task,) = claim_tasks(s, worker)  # one task: not a batched type
     return int(task[3])
 
 
 def _finish(s: SyncScripts, worker: str, task_id: str, attempt: int) -> bytes:
-    opts = options(id=task_id, worker=worker, attempt=attempt, status="finished", error="",
-                   progress="", ttl_s=60, **{"class": "batch"})  # fmt: skip
-    return bytes(s.run("finish", opts, json.dumps({"by": worker, "attempt": attempt}))[0])
+    return finish(s, worker, task_id, {"by": worker, "attempt": attempt}, attempt)
 
 
 def _progress(s: SyncScripts, worker: str, task_id: str, attempt: int, message: str) -> int:

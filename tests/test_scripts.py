@@ -6,46 +6,27 @@ from __future__ import annotations
 import json
 
 import redis
+from support.lua import CLASSES, SETTINGS, claim_tasks, register, submit
+from support.lua import finish as _finish
 
 from dispatcher.api.store import Submission, submit_options
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.reaper import lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
-from dispatcher.contract.settings import Settings
-
-SETTINGS = Settings(redis_url="redis://unused", heartbeat_interval_s=0.2, lease_ttl_s=1.0)
-CLASSES = SETTINGS.class_names
 
 
 def _submit(s: SyncScripts, cls: str = "batch", task_type: str = "echo") -> str:
-    sub = Submission(task_type, cls, {}, timeout_s=60, tenant="t")
-    opts = submit_options(sub, SETTINGS.classes[cls], workers=1, run_s=1.0, settings=SETTINGS)
-    reply = s.run("submit", opts, encode_call(task_type, {}), "")
-    assert reply[0] == b"accepted"
-    return str(reply[1].decode())
+    return submit(s, cls, task_type=task_type)
 
 
-def _register(s: SyncScripts, worker: str) -> None:
-    rq = {"fields": {"state": "idle"}, "queues": CLASSES, "execution": None}
-    opts = options(
-        **lease_options(SETTINGS), worker=worker, info={"state": "idle"}, catalog={}, rq=rq
-    )
-    assert s.run("register", opts)[0] == b"ok"
+_register = register
 
 
 def _claim(s: SyncScripts, worker: str, redeliver: bool = False) -> list | None:
     """The one task claimed (claim.lua returns a list of tasks: one unless batched)."""
-    opts = options(worker=worker, classes=CLASSES, aging={}, was_idle=False, device="{}",
-                   redeliver=redeliver)  # fmt: skip
-    reply = s.run("claim", opts)
-    return reply[0] if reply else None
-
-
-def _finish(s: SyncScripts, worker: str, task_id: str, result: dict, attempt: int = 1) -> bytes:
-    opts = options(id=task_id, worker=worker, attempt=attempt, status="finished", error="",
-                   progress="", ttl_s=60, **{"class": "batch"})  # fmt: skip
-    return s.run("finish", opts, json.dumps(result))[0]
+    tasks = claim_tasks(s, worker, redeliver=redeliver)
+    return tasks[0] if tasks else None
 
 
 def _expire_lease(r: redis.Redis, worker: str) -> None:

@@ -3,6 +3,7 @@ would, for tests of the paths processes reach only by chance."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from dispatcher.api.store import Submission, submit_options
@@ -15,6 +16,8 @@ __all__ = [
     "CLASSES",
     "SETTINGS",
     "claim",
+    "claim_tasks",
+    "finish",
     "park_score",
     "register",
     "submit",
@@ -65,25 +68,40 @@ def park_score(rank: int = 1000, mem: int | None = None) -> float:
     return float(rank * 2**32 + min(mem if mem is not None else 2**31 - 1, 2**31 - 1))
 
 
-def claim(
+def claim_tasks(
     s: SyncScripts,
     worker: str,
     mem: int | None = None,
     batch: dict[str, int] | None = None,
     classes: list[str] = CLASSES,
     rank: int = 1000,
-) -> list[str]:
-    """Ids of the tasks one claim took (empty: the worker parked)."""
+    redeliver: bool = False,
+) -> list[list[Any]]:
+    """The tasks one claim took, as claim.lua returns them: [id, class, data, attempt,
+    timeout, created_ms, started_ms, file, type]; empty: the worker parked."""
     opts = options(
         worker=worker,
         classes=classes,
         aging={},
         was_idle=False,
         device="{}",
-        redeliver=False,
+        redeliver=redeliver,
         batch=batch or {},
         rank=rank,
         **({} if mem is None else {"mem": mem}),
     )
-    reply = s.run("claim", opts)
-    return [task[0].decode() for task in reply or []]
+    return list(s.run("claim", opts) or [])
+
+
+def claim(s: SyncScripts, worker: str, **kw: Any) -> list[str]:
+    """Ids of the tasks one claim took (empty: the worker parked)."""
+    return [task[0].decode() for task in claim_tasks(s, worker, **kw)]
+
+
+def finish(
+    s: SyncScripts, worker: str, task_id: str, result: Any, attempt: int = 1, cls: str = "batch"
+) -> bytes:
+    """finish.lua's verdict for a successful report of ``result``."""
+    opts = options(id=task_id, worker=worker, attempt=attempt, status="finished", error="",
+                   progress="", ttl_s=60, **{"class": cls})  # fmt: skip
+    return bytes(s.run("finish", opts, json.dumps(result))[0])
