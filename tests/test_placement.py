@@ -5,6 +5,7 @@ does not fit the memory free right now waits until it does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,10 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, submit, wait_status
+from support.pdf import make_pdf
 
 from dispatcher.contract import keys
+from dispatcher.contract.settings import Settings
 from testkit import fake_gpu_env, wait_for
 
 GIB_MB = 1024
@@ -47,20 +50,25 @@ def test_a_task_too_big_for_a_card_never_runs_there(
     assert listed["small"]["gpu_capacity_mb"] == SMALL  # no models loaded: the whole card
     assert listed["large"]["gpu_capacity_mb"] == LARGE
     assert (listed["small"]["speed"], listed["large"]["speed"]) == (1.0, 2.0)  # as declared
+    # The large card busy with a long task only it can hold: small work goes to the small one.
+    long = submit(http, "sleep", {"seconds": 60}, gpu_memory_mb=30_000)["id"]
+    assert wait_status(http, long, {"running"})["worker"] == "large"
+    small_ids = [submit(http, "sleep", {"seconds": 0})["id"] for _ in range(3)]
+    small_ids.append(submit(http, "test.big", gpu_memory_mb=100)["id"])  # asks for less
+    for task_id in small_ids:
+        assert wait_status(http, task_id, {"succeeded"})["worker"] == "small"
+    assert http.delete(f"/tasks/{long}").status_code == 202  # a cancel request
+    wait_status(http, long, {"canceled"})
+    # Tasks of a type that declares 30,000 MB, mixed with tasks any card can run.
     ids = []
-    for i in range(6):
+    for _ in range(4):
         ids.append(("big", submit(http, "test.big", {"seconds": 0.05})["id"]))
         ids.append(("any", submit(http, "sleep", {"seconds": 0.05})["id"]))
-        if i == 2:  # and one asking for more than its type declares, within the small card
-            ids.append(("any", submit(http, "test.big", gpu_memory_mb=100)["id"]))
-    ran_on: dict[str, set[str]] = {"big": set(), "any": set()}
     for kind, task_id in ids:
         record = wait_status(http, task_id, {"succeeded"})
-        ran_on[kind].add(record["worker"])
         if kind == "big":
+            assert record["worker"] == "large"  # never the 24 GiB card
             assert record["gpu_memory_mb"] == 30_000  # the type's declaration
-    assert ran_on["big"] == {"large"}  # never the 24 GiB card
-    assert "small" in ran_on["any"]  # which did take the work it could hold
 
 
 def test_a_task_no_live_card_could_hold_is_refused(
@@ -108,3 +116,44 @@ def test_a_cpu_worker_has_no_gpu_memory_limit(
     assert _workers(http)["cpu"]["gpu_capacity_mb"] is None
     task_id = submit(http, "test.big", gpu_memory_mb=200_000)["id"]
     assert wait_status(http, task_id, {"succeeded"})["worker"] == "cpu"
+
+
+def test_gpu_memory_in_a_multipart_submit_and_its_limits(
+    known_types: None, http: httpx.Client, r: redis.Redis
+) -> None:
+    pdf = make_pdf(["placement"])
+    files = {"file": ("a.pdf", pdf, "application/pdf")}
+    accepted = http.post("/tasks", files=files, data={"gpu_memory_mb": "1200"})
+    assert accepted.status_code == 202, accepted.text
+    record = http.get(f"/tasks/{accepted.json()['id']}").json()
+    assert record["gpu_memory_mb"] == 1200  # read back as accepted
+    for bad in ("²", "12²", "٣", "-1", "1.5", "9" * 13):  # digits int() takes, but not ASCII
+        refused = http.post("/tasks", files=files, data={"gpu_memory_mb": bad})
+        assert refused.status_code == 422, (bad, refused.text)
+    assert r.llen(keys.queue("batch")) == 1
+
+
+def test_an_idempotency_key_tells_gpu_memory_apart(known_types: None, http: httpx.Client) -> None:
+    key = {"Idempotency-Key": "placement-1"}
+    first = http.post("/tasks", json={"type": "sleep", "gpu_memory_mb": 1000}, headers=key)
+    assert first.status_code == 202
+    again = http.post("/tasks", json={"type": "sleep", "gpu_memory_mb": 1000}, headers=key)
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    other = http.post("/tasks", json={"type": "sleep", "gpu_memory_mb": 5000}, headers=key)
+    assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused"
+
+
+def test_catalog_declarations_are_checked(
+    known_types: None, r: redis.Redis, settings: Settings, api_factory: Any
+) -> None:
+    schema = {"type": "object"}
+    r.hset(keys.CATALOG, "test.lots", json.dumps({"schema": schema, "gpu_memory_mb": "lots"}))
+    r.hset(keys.CATALOG, "test.huge", json.dumps({"schema": schema, "gpu_memory_mb": 10**7}))
+    with httpx.Client(base_url=api_factory(settings).url, timeout=10) as http:
+        malformed = http.post("/tasks", json={"type": "test.lots"})
+        assert malformed.status_code == 422  # the entry is ignored: an unknown type, not a 500
+        assert malformed.json()["error"] == "unknown_task_type"
+        unknown = http.post("/tasks", json={"type": "no.such"})
+        assert unknown.status_code == 422 and "test.lots" not in unknown.json()["known"]
+        huge = http.post("/tasks", json={"type": "test.huge"})
+        assert huge.status_code == 422 and "no card" in huge.json()["message"]

@@ -60,12 +60,19 @@ def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
+def _whole_mb(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"gpu_memory_mb must be a whole number of MB, 0 or more; got {value!r}")
+    return value
+
+
 def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
     try:
         entry = json.loads(raw)
         schema = entry["schema"]
         Draft202012Validator.check_schema(schema)
-    except (ValueError, KeyError, TypeError, SchemaError) as exc:
+        gpu_memory_mb = _whole_mb(entry.get("gpu_memory_mb") or 0)
+    except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as exc:
         log.warning("ignoring malformed catalog entry %r: %s", name, exc)
         return None
     return TaskTypeInfo(
@@ -74,7 +81,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         file=str(entry.get("file", "none")),
         validator=Draft202012Validator(schema),
         model=str(entry["model"]) if entry.get("model") else None,
-        gpu_memory_mb=int(entry.get("gpu_memory_mb") or 0),
+        gpu_memory_mb=gpu_memory_mb,
     )
 
 

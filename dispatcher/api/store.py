@@ -91,6 +91,8 @@ def fingerprint(sub: Submission) -> str:
         "file": hashlib.sha256(sub.file_data).hexdigest() if sub.file is not None else None,
         "file_name": sub.file.name if sub.file is not None else None,
     }
+    if sub.gpu_memory_mb:  # only when asked for: keys sent before placement still match
+        canonical["gpu_memory_mb"] = sub.gpu_memory_mb
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -102,9 +104,11 @@ def submit_options(
     run_s: float,
     settings: Settings,
     no_fit: bool = False,
+    serving: int | None = None,
 ) -> str:
     """submit.lua's options: the task, its class's limits and the pool's state
-    (``workers``: live workers of the class whose GPU could hold the task)."""
+    (``workers``: live workers of the class whose GPU could hold the task; ``serving``:
+    all live workers of the class, default the same)."""
     digest = fp = ""
     if sub.idempotency_key is not None:
         digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
@@ -129,6 +133,7 @@ def submit_options(
         weight=sub.weight or 1.0,
         gpu_mb=sub.gpu_memory_mb,
         no_fit=no_fit,
+        serving=workers if serving is None else serving,
         classes=settings.class_names,
         **{"class": sub.cls},
     )
@@ -152,7 +157,9 @@ class TaskStore:
         workers = state.fitting(sub.gpu_memory_mb)
         # Live workers serve the class, but none has a GPU that could hold the task.
         no_fit = workers == 0 and state.workers > 0
-        opts = submit_options(sub, state.config, workers, state.run_s, self.settings, no_fit)
+        opts = submit_options(
+            sub, state.config, workers, state.run_s, self.settings, no_fit, state.workers
+        )
         data = encode_call(sub.task_type, sub.args, sub.file)
         wanted = self.settings.min_replica_acks
         if wanted > 0:

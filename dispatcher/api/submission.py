@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from python_multipart.multipart import parse_options_header
@@ -35,6 +36,7 @@ _MAX_DEPTH = 32  # nesting of arrays and objects in a request
 _MAX_NAME = 64
 _MAX_IDEMPOTENCY_KEY = 255
 _MAX_FILENAME = 255
+_WHOLE = re.compile(r"[0-9]{1,12}")
 
 
 def _too_large(limit: int, what: str) -> ApiError:
@@ -175,8 +177,8 @@ async def _form_fields(
         except ValueError as exc:
             raise _invalid("The 'timeout_s' part is not a number.") from exc
     if "gpu_memory_mb" in fields:
-        text = fields["gpu_memory_mb"].strip()
-        fields["gpu_memory_mb"] = int(text) if text.isdigit() and len(text) <= 12 else text
+        text = fields["gpu_memory_mb"].strip()  # ASCII digits only: int() takes others
+        fields["gpu_memory_mb"] = int(text) if _WHOLE.fullmatch(text) else text
     return fields, upload
 
 
@@ -198,6 +200,8 @@ def _gpu_memory(fields: dict[str, Any], declared: int, max_mb: int) -> int:
     type declares; more than any card could have is refused here."""
     value = fields.get("gpu_memory_mb")
     if value is None:
+        if declared > max_mb:  # a type declaring more than any card has
+            raise _invalid(f"The type declares {declared} MB of GPU memory; no card has it.")
         return declared
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_mb:
         raise _invalid(

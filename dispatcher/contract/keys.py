@@ -34,11 +34,13 @@ gpulane's keys::
     gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id, or a
                                             batch's ids); tasks move here from
                                             rq:queue:<class> atomically
-    gpulane:idle:<class>             ZSET   workers parked waiting for that class ->
+    gpulane:parked:<class>           ZSET   workers parked waiting for that class ->
                                             rank (1000 / speed) x 2^32 + GPU memory
                                             free for a task (MB; 2^31-1: no limit); a
                                             submit wakes the lowest score that fits
-                                            (fastest, then best fit)
+                                            (fastest, then best fit). Earlier versions
+                                            kept a SET gpulane:idle:<class>; the new
+                                            name lets a leftover one break nothing
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
@@ -140,7 +142,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "file": (_P + "file:", ("task_id",), ""),
     "worker": (_P + "worker:", ("name",), ""),
     "inflight": (_P + "inflight:", ("name", "cls"), ""),
-    "idle": (_P + "idle:", ("cls",), ""),
+    "idle": (_P + "parked:", ("cls",), ""),
     "lane": (_P + "lane:", ("cls", "tenant"), ""),
     "lanes": (_P + "lanes:", ("cls",), ""),
     "fair": (_P + "fair:", ("cls",), ""),

@@ -76,13 +76,14 @@ def claim_tasks(
     classes: list[str] = CLASSES,
     rank: int = 1000,
     redeliver: bool = False,
+    aging: dict[str, int] | None = None,
 ) -> list[list[Any]]:
     """The tasks one claim took, as claim.lua returns them: [id, class, data, attempt,
     timeout, created_ms, started_ms, file, type]; empty: the worker parked."""
     opts = options(
         worker=worker,
         classes=classes,
-        aging={},
+        aging=aging or {},
         was_idle=False,
         device="{}",
         redeliver=redeliver,

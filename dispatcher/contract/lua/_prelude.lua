@@ -38,25 +38,37 @@ end
 -- is lower) above, the GPU memory it has free for a task (MB, NO_LIMIT without a GPU)
 -- below. The lowest score is the fastest worker, and among equally fast ones the one
 -- with the least memory free (best fit: big cards stay free for what only they hold).
+-- A number as Redis should read it: every digit of a whole number (Lua would send 14
+-- significant digits, and tags and scores run past that).
+local function num(x)
+  return string.format('%.17g', x)
+end
+
 local MEM_SPAN = 4294967296 -- 2^32: memory fits below it; scores stay exact doubles
 local NO_LIMIT = 2147483647 -- MB: "no limit" (a cpu worker)
 local function park_score(rank, mem)
-  return (tonumber(rank) or 1000) * MEM_SPAN + math.min(tonumber(mem) or NO_LIMIT, NO_LIMIT)
+  return num((tonumber(rank) or 1000) * MEM_SPAN + math.min(tonumber(mem) or NO_LIMIT, NO_LIMIT))
 end
 
 -- Ring the doorbell of the first parked worker of this class (by score, above) whose
 -- GPU has `need` MB free (0 or nil: any worker). It leaves every idle set, so a second
 -- task does not wake the same worker while another one sits idle. None fits: nobody is
 -- rung; a worker finishing its task, or a parked one's periodic look, takes it.
-local IDLE_SCAN = 256 -- parked workers looked at for a task that needs memory
+local SPEED_BANDS = 16 -- distinct speeds looked through for a task that needs memory
 local function wake(cls, classes, need)
   local ik = K.idle(cls)
   local w
   need = tonumber(need) or 0
   if need > 0 then
-    local parked = redis.call('ZRANGE', ik, 0, IDLE_SCAN - 1, 'WITHSCORES')
-    for i = 1, #parked, 2 do
-      if tonumber(parked[i + 1]) % MEM_SPAN >= need then w = parked[i]; break end
+    -- The first worker scored at least band + need is, in its band, the fastest with
+    -- room; or it is in a slower band, which is then searched the same way.
+    local from = need
+    for _ = 1, SPEED_BANDS do
+      local hit = redis.call('ZRANGEBYSCORE', ik, num(from), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      if not hit[1] then break end
+      local band = math.floor(tonumber(hit[2]) / MEM_SPAN) * MEM_SPAN
+      if tonumber(hit[2]) - band >= need then w = hit[1]; break end
+      from = band + need
     end
     if w then redis.call('ZREM', ik, w) end
   else
@@ -75,15 +87,22 @@ end
 -- 1996), weighted. A task submitted with a lane (its tenant, when tenants are
 -- configured) is queued twice: in rq:queue:<class>, in arrival order (what RQ, KEDA
 -- and the depth limits read), and in its tenant's lane. A claim serves the lane with
--- the smallest virtual start tag; serving a task moves its tenant's tag on by
--- 1/weight and the class's virtual clock up to the tag served. A tenant whose lane
--- was empty starts again at the clock: it neither banks turns while idle nor waits
--- behind another tenant's backlog. With a single tenant this is plain FIFO.
+-- the smallest virtual start tag; serving a task moves its tenant's tag on by its
+-- turn's cost, round(1e6 / weight) (whole numbers: tags add up exactly, so ties are
+-- real ties, broken by the tenant name's bytes, as the ZSET orders them), and the
+-- class's virtual clock up to the tag served. A tenant whose lane was empty starts
+-- again at the clock: it neither banks turns while idle nor waits behind another
+-- tenant's backlog. With a single tenant this is plain FIFO.
 
--- The class's virtual clock, and tenant t's saved next tag and weight.
+-- The cost of one turn of a tenant of weight w.
+local function turn(w)
+  return math.floor(1e6 / (tonumber(w) or 1) + 0.5)
+end
+
+-- The class's virtual clock, tenant t's saved next tag and the cost of its turn.
 local function fair_state(cls, t)
   local f = redis.call('HMGET', K.fair(cls), 'v', 't:' .. t, 'w:' .. t)
-  return tonumber(f[1]) or 0, tonumber(f[2]) or 0, tonumber(f[3]) or 1
+  return tonumber(f[1]) or 0, tonumber(f[2]) or 0, turn(f[3])
 end
 
 -- Queue task `id` of class `cls` at the tail (or the head), in its tenant's lane too
@@ -93,7 +112,7 @@ local function enqueue(cls, id, lane, at_head)
   redis.call(push, K.queue(cls), id)
   if lane and lane ~= '' and redis.call(push, K.lane(cls, lane), id) == 1 then
     local v, tag = fair_state(cls, lane)
-    redis.call('ZADD', K.lanes(cls), math.max(v, tag), lane)
+    redis.call('ZADD', K.lanes(cls), num(math.max(v, tag)), lane)
   end
 end
 
@@ -101,7 +120,18 @@ end
 -- comes back (then max(clock, tag)).
 local function lane_idle(cls, t, next_tag)
   redis.call('ZREM', K.lanes(cls), t)
-  redis.call('HSET', K.fair(cls), 't:' .. t, next_tag)
+  redis.call('HSET', K.fair(cls), 't:' .. t, num(next_tag))
+end
+
+-- Charge tenant t (start tag `tag`) for the task just taken from its lane.
+local function charge(cls, t, tag)
+  local v, _, cost = fair_state(cls, t)
+  redis.call('HSET', K.fair(cls), 'v', num(math.max(v, tag)))
+  if redis.call('LLEN', K.lane(cls, t)) > 0 then
+    redis.call('ZADD', K.lanes(cls), num(tag + cost), t)
+  else
+    lane_idle(cls, t, tag + cost)
+  end
 end
 
 -- Remove `id` (created at `created_ms`) from the class list, scanning from the end it
@@ -117,7 +147,7 @@ local function unlist(cls, id, created_ms, now)
   redis.call('LREM', qk, from_tail and -1 or 1, id)
 end
 
--- Remove a queued task from its lane (a cancel): an emptied lane goes idle.
+-- Remove a queued task from its lane (a cancel, a late result): an emptied lane goes idle.
 local function unlane(cls, id, lane)
   if not lane or lane == '' then return end
   local lk = K.lane(cls, lane)
@@ -128,32 +158,45 @@ local function unlane(cls, id, lane)
   end
 end
 
+-- Whether string a sorts before b byte by byte (as a ZSET orders equal scores; Lua's
+-- own `<` follows the server's locale).
+local function bytes_before(a, b)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+
 -- Tasks a task at index k of tenant t's lane has ahead of it in fair order: k of its
 -- own, and from every other active lane u the tasks whose start tags come before its
--- own (tag_t + k / w_t), at most that lane's length. An estimate: later arrivals of
--- idle tenants and tasks given back move it, and only the AHEAD_LANES lanes with the
--- smallest tags are counted (a read bounded however many tenants there are).
+-- own (tag_t + k x cost_t; on a tie, u's when u sorts first), at most that lane's
+-- length. An estimate: later arrivals of idle tenants and tasks given back move it,
+-- and only the AHEAD_LANES lanes with the smallest tags are counted (a read bounded
+-- however many tenants there are).
 local AHEAD_LANES = 64
 local function fair_ahead(cls, t, k)
-  local v, saved, w = fair_state(cls, t)
+  local v, saved, cost = fair_state(cls, t)
   local lk = K.lanes(cls)
   local mine = redis.call('ZSCORE', lk, t)
-  local at = (mine and tonumber(mine) or math.max(v, saved)) + k / w
-  local ahead = k
-  -- The bound is sent as text (14 digits): a little slack keeps a tie on `at` in.
-  local active = redis.call('ZRANGEBYSCORE', lk, '-inf', at + 1e-6, 'WITHSCORES', 'LIMIT', 0,
+  local at = (mine and tonumber(mine) or math.max(v, saved)) + k * cost
+  local active = redis.call('ZRANGEBYSCORE', lk, '-inf', num(at), 'WITHSCORES', 'LIMIT', 0,
     AHEAD_LANES)
+  local others, fields = {}, {}
   for i = 1, #active, 2 do
-    local u, su = active[i], tonumber(active[i + 1])
-    if u ~= t and su <= at then
-      local wu = tonumber(redis.call('HGET', K.fair(cls), 'w:' .. u)) or 1
-      local x = (at - su) * wu -- u's tasks with tags before `at`: ceil(x)
-      local n = math.ceil(x)
-      local whole = math.floor(x + 0.5)
-      -- A tie on a tag goes to the tenant whose name sorts first (the ZSET's order).
-      if u < t and math.abs(x - whole) < 1e-9 then n = whole + 1 end
-      ahead = ahead + math.min(n, redis.call('LLEN', K.lane(cls, u)))
+    if active[i] ~= t then
+      others[#others + 1] = {active[i], tonumber(active[i + 1])}
+      fields[#fields + 1] = 'w:' .. active[i]
     end
+  end
+  local ahead = k
+  if #others == 0 then return ahead end
+  local weights = redis.call('HMGET', K.fair(cls), unpack(fields))
+  for i, u in ipairs(others) do
+    local cu, d = turn(weights[i]), at - u[2]
+    local n = math.floor(d / cu) + 1 -- u's tags u[2] + j x cu up to `at`
+    if d % cu == 0 and not bytes_before(u[1], t) then n = n - 1 end -- a tie t wins
+    ahead = ahead + math.min(n, redis.call('LLEN', K.lane(cls, u[1])))
   end
   return ahead
 end

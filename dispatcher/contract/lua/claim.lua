@@ -30,6 +30,7 @@ local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_fi
   'gpu_mb', 'lane'}
 local SCAN = 32 -- tasks looked at past one that does not fit this worker's GPU
 local MAX_LANES = 64 -- lanes looked at when none of the first has a task that fits
+local budget = 64 -- task records one claim reads past unfitting heads, in all
 
 local function fits(f)
   return not o.mem or (tonumber(f[8]) or 0) <= o.mem
@@ -40,8 +41,9 @@ local function live(f)
 end
 
 -- The first task of list `key` this worker may run: the head or, when the head does
--- not fit, the first of the next SCAN that does. Stale ids at the head (record expired
--- or already final) are dropped. Returns id, fields, index (0: the head) or nil.
+-- not fit, the first of the next SCAN that does (within the claim's budget). Stale ids
+-- at the head (record expired or already final) are dropped. Returns id, fields,
+-- index (0: the head) or nil.
 local function first_fit(key)
   while true do
     local id = redis.call('LINDEX', key, 0)
@@ -53,7 +55,9 @@ local function first_fit(key)
     end
     redis.call('LPOP', key)
   end
-  for i, id in ipairs(redis.call('LRANGE', key, 1, SCAN)) do
+  if budget <= 0 then return nil end
+  for i, id in ipairs(redis.call('LRANGE', key, 1, math.min(SCAN, budget))) do
+    budget = budget - 1
     local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
     if live(f) and fits(f) then return id, f, i end
   end
@@ -68,32 +72,27 @@ local function peek_lanes(c, active)
     local id, f, index = first_fit(key)
     if id then return {c, id, f, index, t, tag} end
     if redis.call('LLEN', key) == 0 then lane_idle(c, t, tag) end -- held stale ids only
+    budget = budget - 1 -- a lane's head read
+    if budget <= 0 then return nil end
   end
   return nil
 end
 
--- The task a claim on class c would take: {c, id, f, index, lane, tag, moved}. The
--- common case costs what a plain dequeue does: the head is moved into the in-flight
--- list at once (moved = true) and read; a head that is in a fair-share lane, or does
--- not fit, goes back (unpeek) and the lanes or the next tasks are looked at.
-local function peek(c)
+-- The head of class c moved into the in-flight list at once (the common case costs what
+-- a plain dequeue does), with its fields: {c, id, f, 0, lane, tag, moved = true}, or
+-- nil when the class is empty. A caller that does not take it calls unpeek.
+local function peek_head(c)
   local qk, ik = K.queue(c), K.inflight(w, c)
   while true do
     local id = redis.call('LMOVE', qk, ik, 'LEFT', 'RIGHT')
     if not id then return nil end
     local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
     if live(f) then
-      if (not f[9] or f[9] == '') and fits(f) then return {c, id, f, 0, false, 0, true} end
-      redis.call('LMOVE', ik, qk, 'RIGHT', 'LEFT') -- back to its head
-      break
+      local t = f[9] ~= '' and f[9] or false
+      return {c, id, f, 0, t, t and tonumber(redis.call('ZSCORE', K.lanes(c), t)) or 0, true}
     end
     redis.call('LREM', ik, -1, id) -- stale: record expired or already final
   end
-  local active = redis.call('ZRANGE', K.lanes(c), 0, MAX_LANES - 1, 'WITHSCORES')
-  if #active > 0 then return peek_lanes(c, active) end
-  local id, f, index = first_fit(qk) -- the head did not fit this worker
-  if id then return {c, id, f, index, false, 0, false} end
-  return nil
 end
 
 -- Put a peeked task that is not taken after all back at the head of its class.
@@ -101,28 +100,38 @@ local function unpeek(p)
   if p[7] then redis.call('LMOVE', K.inflight(w, p[1]), K.queue(p[1]), 'RIGHT', 'LEFT') end
 end
 
+-- The task a claim on class c would take: {c, id, f, index, lane, tag, moved}. The
+-- head if it has no lane and fits; else, under fair share (a laned head), the lanes'
+-- first fit; else the first fit past the head.
+local function peek(c)
+  local head = peek_head(c)
+  if not head then return nil end
+  if not head[5] and fits(head[3]) then return head end
+  unpeek(head)
+  local active = redis.call('ZRANGE', K.lanes(c), 0, MAX_LANES - 1, 'WITHSCORES')
+  if #active > 0 then return peek_lanes(c, active) end
+  local id, f, index = first_fit(K.queue(c))
+  if id then return {c, id, f, index, false, 0, false} end
+  return nil
+end
+
 -- Take the peeked task: out of its lists into the in-flight list; charge its tenant.
 local function take(p, now)
-  local c, id, f, index, t, tag = p[1], p[2], p[3], p[4], p[5], p[6]
-  if p[7] then return end -- already moved by peek
+  local c, id, f, index, t, tag, moved = p[1], p[2], p[3], p[4], p[5], p[6], p[7]
   local ik = K.inflight(w, c)
-  if not t then
-    redis.call('LREM', K.queue(c), 1, id) -- a task past the head that fits
+  if t then
+    local key = K.lane(c, t)
+    if index == 0 and redis.call('LINDEX', key, 0) == id then
+      redis.call('LPOP', key)
+    else
+      redis.call('LREM', key, 1, id)
+    end
+  end
+  if not moved then
+    if t then unlist(c, id, f[5], now) else redis.call('LREM', K.queue(c), 1, id) end
     redis.call('RPUSH', ik, id)
-    return
   end
-  local key = K.lane(c, t)
-  if index == 0 then redis.call('LPOP', key) else redis.call('LREM', key, 1, id) end
-  unlist(c, id, f[5], now)
-  redis.call('RPUSH', ik, id)
-  local v, _, weight = fair_state(c, t)
-  local next_tag = tag + 1 / weight
-  redis.call('HSET', K.fair(c), 'v', math.max(v, tag))
-  if redis.call('LLEN', key) > 0 then
-    redis.call('ZADD', K.lanes(c), next_tag, t)
-  else
-    lane_idle(c, t, next_tag)
-  end
+  if t then charge(c, t, tag) end
 end
 
 -- The first class below position i whose oldest task waited longer than its aging.
@@ -226,7 +235,10 @@ for i, c in ipairs(o.classes) do
   if p then
     local now = now_ms()
     local older = aged_below(i, now)
-    local aged = older and peek(older)
+    -- Promotion takes the aged task itself (the lower class's head), never a younger
+    -- one fair order or placement would pick; one this worker cannot hold stays.
+    local aged = older and peek_head(older)
+    if aged and not fits(aged[3]) then unpeek(aged); aged = nil end
     if aged then
       unpeek(p)
       return {start(aged, now)} -- higher class queued: no batch

@@ -32,8 +32,13 @@ if o.lane ~= '' then
   redis.call('HSET', K.fair(o.class), 'w:' .. o.lane, o.weight)
   ahead = fair_ahead(o.class, o.lane, redis.call('LLEN', K.lane(o.class, o.lane)))
 end
+-- The tasks ahead drain at the whole class's pace (big cards take small tasks too);
+-- the task itself waits for one of the `workers` that can hold it.
 local est_ms = -1
-if o.workers > 0 then est_ms = math.ceil((ahead + 1) * o.run_s * 1000 / o.workers) end
+if o.workers > 0 then
+  est_ms = math.ceil((ahead / math.max(o.serving or o.workers, o.workers) + 1 / o.workers)
+    * o.run_s * 1000)
+end
 
 -- no_fit: live workers serve the class but none has a GPU that could hold the task.
 if (o.workers == 0 and o.reject_without_workers) or o.no_fit then
