@@ -229,6 +229,12 @@ local function fenced(report)
   return 'fenced'
 end
 
+-- Whether a report of worker w's run of attempt `attempt` comes from a run a later
+-- claim superseded: another attempt started since, or this one runs elsewhere.
+local function superseded(status, worker_name, attempts, w, attempt)
+  return tonumber(attempts) ~= attempt or (status == 'started' and worker_name ~= w)
+end
+
 -- Whether worker w's run of attempt `attempt` is the task's current run (fields:
 -- status, worker_name, attempts).
 local function holds(f, w, attempt)

@@ -16,9 +16,7 @@ if not f[1] then
   redis.call('LREM', ik, 0, o.id)
   return {'gone'}
 end
-if tonumber(f[5]) ~= o.attempt or (f[1] == 'started' and f[2] ~= o.worker) then
-  return {fenced('finish')}
-end
+if superseded(f[1], f[2], f[5], o.worker, o.attempt) then return {fenced('finish')} end
 local removed = redis.call('LREM', ik, 0, o.id)
 if FINAL[f[1]] then return {'duplicate', f[1]} end
 if removed == 0 then -- handed back, queued again: it leaves the queue and its lane

@@ -10,9 +10,7 @@
 local o = cjson.decode(ARGV[1])
 local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota', 'attempts',
   'worker_name', 'bytes')
-if f[1] and (tonumber(f[5]) ~= o.attempt or (f[1] == 'started' and f[6] ~= o.worker)) then
-  return fenced('release')
-end
+if f[1] and superseded(f[1], f[6], f[5], o.worker, o.attempt) then return fenced('release') end
 if redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id) == 0 then return 'gone' end
 if f[1] ~= 'started' then return f[1] or 'gone' end
 if o.fault then return (lose(o.id, o.class, o.worker, now_ms(), o, o.fault)) end
