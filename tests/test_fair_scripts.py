@@ -312,3 +312,18 @@ def test_a_leftover_idle_set_of_an_earlier_version_is_ignored(r: redis.Redis) ->
     assert claim(s, "w") == []
     task_id = submit(s)
     assert claim(s, "w") == [task_id]
+
+
+def test_positions_match_the_claim_order_with_uneven_weights(r: redis.Redis) -> None:
+    """With everything queued, each task's position is exactly its index in the claim
+    order: tags are whole numbers, so ties are real and broken as the claims break them."""
+    s = SyncScripts(r)
+    ids = [
+        submit(s, tenant=tenant, weight=weight)
+        for _ in range(40)
+        for tenant, weight in (("b-heavy", 3), ("a-light", 1), ("c-odd", 0.7))
+    ]
+    positions = {task_id: _position(s, task_id) for task_id in ids}
+    register(s, "w")
+    order = [claim(s, "w")[0] for _ in ids]
+    assert [positions[task_id] for task_id in order] == list(range(len(ids)))
