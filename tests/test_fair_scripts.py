@@ -327,3 +327,16 @@ def test_positions_match_the_claim_order_with_uneven_weights(r: redis.Redis) -> 
     register(s, "w")
     order = [claim(s, "w")[0] for _ in ids]
     assert [positions[task_id] for task_id in order] == list(range(len(ids)))
+
+
+def test_a_big_tasks_estimate_drains_the_queue_at_the_whole_class_pace(
+    r: redis.Redis,
+) -> None:
+    """9 tasks ahead, 10 workers, 1 of them with a card big enough, 1 s per task: the
+    tasks ahead take 0.9 s, then the big one waits for its card (1 s), not 10 s."""
+    s = SyncScripts(r)
+    for _ in range(9):
+        submit(s)
+    reply = submit_reply(s, gpu_mb=40_000, workers=1, serving=10)
+    assert reply[0] == b"accepted" and int(reply[3]) == 1900
+    assert int(submit_reply(s, workers=10, serving=10)[3]) == 1100  # (10 + 1) / 10 s
