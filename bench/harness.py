@@ -27,7 +27,7 @@ import redis
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import ClassConfig
-from testkit import free_port, redis_argv, wait_for
+from testkit import CLI, free_port, redis_argv, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_TASKS = "bench.gl_tasks"  # gpulane task module loaded by the bench workers
@@ -167,16 +167,7 @@ class Stack:
         tasks: str = f"worker.tasks.builtin,{BENCH_TASKS}",
     ) -> list[str]:
         """The ``gpulane worker`` command line :meth:`gpulane_worker` runs."""
-        argv = [
-            sys.executable,
-            "-m",
-            "dispatcher.ops.cli",
-            "worker",
-            "--gpu",
-            "none",
-            "--name",
-            name,
-        ]
+        argv = [*CLI, "worker", "--gpu", "none", "--name", name]
         argv += ["--tasks", tasks]
         if serve:
             argv += ["--classes", ",".join(serve)]
@@ -215,7 +206,7 @@ class Stack:
         """``gpulane api`` (uvicorn, one process) on a free port; returns (proc, base URL)."""
         port = free_port()
         env = self.env(port=port, classes=classes_json(classes), **settings)
-        argv = [sys.executable, "-m", "dispatcher.ops.cli", "api"]
+        argv = [*CLI, "api"]
         proc = self.spawn("api", argv, env)
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _http_ok(proc, f"{url}/health"), 30, "the API")

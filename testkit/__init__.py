@@ -2,6 +2,7 @@
 installed): real redis-server, API and worker processes, and waiting on conditions."""
 
 from testkit.procs import (
+    CLI,
     FAKE_NVML,
     REPO,
     TEST_TASKS,
@@ -18,6 +19,7 @@ from testkit.procs import (
 )
 
 __all__ = [
+    "CLI",
     "FAKE_NVML",
     "REPO",
     "TEST_TASKS",

@@ -207,12 +207,16 @@ def worker_env(redis_url: str, **settings: Any) -> dict[str, str]:
     return env
 
 
+# The `gpulane` command as a subprocess argv (the console script may not be on PATH).
+CLI = [sys.executable, "-m", "dispatcher.ops.cli"]
+
+
 class WorkerProcess:
     """One `gpulane worker` process."""
 
     def __init__(self, name: str, env: dict[str, str], args: list[str]) -> None:
         self.name = name
-        argv = [sys.executable, "-m", "dispatcher.ops.cli", "worker", "--name", name, *args]
+        argv = [*CLI, "worker", "--name", name, *args]
         self.log = REPO / ".test-logs" / f"{name}.log"
         self.log.parent.mkdir(exist_ok=True)
         self._log_handle = self.log.open("wb")

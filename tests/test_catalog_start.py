@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import redis
 from conftest import WorkerFactory, make_settings
 
 from dispatcher.contract import keys
-from testkit import REPO, TEST_TASKS, ApiServer, wait_for, worker_env
+from testkit import CLI, REPO, TEST_TASKS, ApiServer, wait_for, worker_env
 
 BUILTIN = {"echo", "sleep", "document.extract"}
 
@@ -44,7 +43,7 @@ def test_catalog_command_publishes_and_refuses_a_broken_module(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     env = worker_env(redis_url)
-    cli = [sys.executable, "-m", "dispatcher.ops.cli", "catalog"]
+    cli = [*CLI, "catalog"]
     done = subprocess.run(
         [*cli, "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"],
         env=env,

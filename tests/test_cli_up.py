@@ -6,7 +6,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from support.pdf import make_pdf
 from support.up import Up, up_env
 
 from dispatcher.ops.embedded_redis import EmbeddedRedis
-from testkit import REPO, wait_for
+from testkit import CLI, REPO, wait_for
 
 
 @pytest.fixture
@@ -68,7 +67,7 @@ def test_submit_wait_and_status(env: dict[str, str], tmp_path: Path) -> None:
     up = Up(env, "--workers", "1")
     try:
         up.url()
-        cli = [sys.executable, "-m", "dispatcher.ops.cli"]
+        cli = CLI
         # No --url: the command finds the running `gpulane up` through its data dir.
         done = subprocess.run(
             [
@@ -132,7 +131,7 @@ def test_explicit_busy_data_dir_is_refused(env: dict[str, str], tmp_path: Path) 
     try:
         first.url()
         second = subprocess.run(
-            [sys.executable, "-m", "dispatcher.ops.cli", "up", "--data-dir", str(data)],
+            [*CLI, "up", "--data-dir", str(data)],
             env=env,
             cwd=REPO,
             capture_output=True,

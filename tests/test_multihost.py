@@ -29,7 +29,7 @@ import pytest
 import redis
 
 from dispatcher.contract import keys
-from testkit import REPO, TEST_TASKS, publish_catalog, redis_argv, wait_for
+from testkit import CLI, REPO, TEST_TASKS, publish_catalog, redis_argv, wait_for
 from testkit.netns import Hosts, netns_unavailable
 
 pytestmark = [
@@ -93,7 +93,7 @@ def pool(tmp_path: Path) -> Iterator[tuple[Pool, redis.Redis, httpx.Client]]:
         listener.bind(str(api_sock))
         listener.listen(128)
         fd = listener.fileno()
-        cli = [sys.executable, "-m", "dispatcher.ops.cli"]
+        cli = CLI
         made.spawn("api", "api", [*cli, "api", "--fd", str(fd)], env=made.env(), pass_fds=[fd])
         listener.close()
         for host in ("w1", "w2"):
@@ -223,7 +223,7 @@ def _degrade(made: Pool, r: redis.Redis) -> str:
                  "--delay-ms", "50", "--loss", "0.01"]  # fmt: skip
         made.spawn(f"{host}-link", host, relay, env=made.env())
         env = {**made.env(), "GPULANE_REDIS_URL": f"redis://:{PASSWORD}@127.0.0.1:6380/0"}
-        argv = [sys.executable, "-m", "dispatcher.ops.cli", "worker", "--name", f"{host}s",
+        argv = [*CLI, "worker", "--name", f"{host}s",
                 "--gpu", "none", "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"]  # fmt: skip
         made.spawn(f"{host}s", host, argv, env=env)
     wait_for(

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dispatcher.contract.exits import EXIT_CONFIG
 from dispatcher.contract.settings import Settings, SettingsError, load_settings
-from testkit import REPO
+from testkit import CLI, REPO
 
 DIGEST = "a" * 64
 
@@ -128,7 +127,7 @@ def test_every_command_refuses_a_bad_config(tmp_path: Path, command: str) -> Non
     env["GPULANE_CONFIG"] = str(config)
     args = ["--type", "echo"] if command == "submit" else []
     done = subprocess.run(
-        [sys.executable, "-m", "dispatcher.ops.cli", command, *args],
+        [*CLI, command, *args],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from testkit import REPO, free_port, wait_for, worker_env
+from testkit import CLI, REPO, free_port, wait_for, worker_env
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
@@ -30,7 +29,7 @@ def _start_api(redis_url: str, **settings: object) -> tuple[subprocess.Popen[byt
         **settings,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dispatcher.ops.cli", "api", "--port", str(port)],
+        [*CLI, "api", "--port", str(port)],
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -142,16 +142,13 @@ class Broker:
         is parked). ``redeliver`` after a claim whose reply was lost returns what that
         claim took. ``mem_mb``: GPU memory free for a task (None: no limit); tasks that
         need more are left for other workers."""
-        opts = options(
-            worker=self.name,
-            classes=self.classes,
-            aging=self._aging,
+        opts = self._claim_options(
+            device_json,
+            mem_mb,
             was_idle=was_idle,
-            device=device_json,
             redeliver=redeliver,
             batch=batch or {},
             rank=self._rank,
-            **({} if mem_mb is None else {"mem": mem_mb}),
         )
         reply = self._run_acked("claim", opts)
         return [self._claimed(task) for task in reply or []]
@@ -162,18 +159,22 @@ class Broker:
         """Up to ``n`` more queued tasks of ``task_type`` from the head of ``cls`` for a
         short batch. Returns (stop waiting: a higher class has work or another type
         heads the queue, the tasks taken)."""
-        opts = options(
+        more = {"class": cls, "type": task_type, "n": n}
+        opts = self._claim_options(device_json, mem_mb, was_idle=False, redeliver=False, more=more)
+        reply = self._run_acked("claim", opts)
+        return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]
+
+    def _claim_options(self, device_json: str, mem_mb: int | None, **extra: Any) -> str:
+        """claim.lua's options: this worker, its classes and aging, its device and the
+        GPU memory it has free (absent: no limit), plus what the call adds."""
+        return options(
             worker=self.name,
             classes=self.classes,
             aging=self._aging,
-            was_idle=False,
             device=device_json,
-            redeliver=False,
-            more={"class": cls, "type": task_type, "n": n},
             **({} if mem_mb is None else {"mem": mem_mb}),
+            **extra,
         )
-        reply = self._run_acked("claim", opts)
-        return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]
 
     def _claimed(self, reply: list[Any]) -> Claimed:
         task_id, cls, data, attempt, timeout, created, started, file, task_type = reply

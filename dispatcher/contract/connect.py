@@ -97,12 +97,12 @@ def _sentinel_args(settings: Settings, socket_timeout: float, connect_timeout: f
 
 def sync_client(settings: Settings, *, socket_timeout: float, connect_timeout: float) -> Redis:
     """A client of the shared Redis (workers, ops tools)."""
-    timeouts: dict[str, Any] = {
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": connect_timeout,
-    }
     if not settings.redis_sentinels:
-        return Redis.from_url(settings.redis_url_or_default, **timeouts)
+        return Redis.from_url(
+            settings.redis_url_or_default,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+        )
     args, kwargs = _sentinel_args(settings, socket_timeout, connect_timeout)
     sentinel = Sentinel(*args, **kwargs)  # type: ignore[no-untyped-call]
     client: Redis = sentinel.master_for(settings.redis_sentinel_master)  # type: ignore[no-untyped-call]
@@ -113,12 +113,12 @@ def async_client(
     settings: Settings, *, socket_timeout: float, connect_timeout: float
 ) -> AsyncRedis:
     """An asyncio client of the shared Redis (the API)."""
-    timeouts: dict[str, Any] = {
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": connect_timeout,
-    }
     if not settings.redis_sentinels:
-        return AsyncRedis.from_url(settings.redis_url_or_default, **timeouts)
+        return AsyncRedis.from_url(
+            settings.redis_url_or_default,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+        )
     args, kwargs = _sentinel_args(settings, socket_timeout, connect_timeout)
     sentinel = AsyncSentinel(*args, **kwargs)  # type: ignore[no-untyped-call]
     client: AsyncRedis = sentinel.master_for(settings.redis_sentinel_master)

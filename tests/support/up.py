@@ -6,10 +6,9 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-from testkit import REPO, wait_for
+from testkit import CLI, REPO, wait_for
 
 
 class Up:
@@ -19,7 +18,7 @@ class Up:
         self.log = Path(env["XDG_DATA_HOME"]) / f"up-{len(args)}-{os.urandom(3).hex()}.log"
         self._out = self.log.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher.ops.cli", "up", *args],
+            [*CLI, "up", *args],
             env=env,
             cwd=REPO,
             stdout=self._out,
