@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,3 +189,22 @@ def test_second_up_stops_a_stale_private_redis(env: dict[str, str], tmp_path: Pa
         assert up.stop() == 0, up.output()
         stale.stop()
     assert _redis_servers(tmp_path) == []
+
+
+def test_children_start_when_the_supervisor_is_pid_1() -> None:
+    """In a container `gpulane up` may be pid 1: its children must still start (the
+    die-with-parent hook compares against the supervisor's pid, not against 1)."""
+    script = (
+        "import os, subprocess, sys\n"
+        "from dispatcher.ops.supervisor import _child_setup\n"
+        "assert os.getpid() == 1\n"
+        "sys.exit(subprocess.run(['true'], preexec_fn=_child_setup()).returncode)\n"
+    )
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr

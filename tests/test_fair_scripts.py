@@ -340,3 +340,26 @@ def test_a_big_tasks_estimate_drains_the_queue_at_the_whole_class_pace(
     reply = submit_reply(s, gpu_mb=40_000, workers=1, serving=10)
     assert reply[0] == b"accepted" and int(reply[3]) == 1900
     assert int(submit_reply(s, workers=10, serving=10)[3]) == 1100  # (10 + 1) / 10 s
+
+
+def test_a_task_too_big_for_this_card_in_a_higher_class_does_not_stop_a_batch(
+    r: redis.Redis,
+) -> None:
+    s = SyncScripts(r)
+    submit(s, "interactive", gpu_mb=40_000)  # no use to a 24 GB card
+    ids = [submit(s, task_type="test.batch_echo") for _ in range(4)]
+    register(s, "w")
+    assert claim(s, "w", mem=24_000, batch={"test.batch_echo": 8}) == ids
+
+
+def test_a_stopping_worker_passes_its_doorbell_to_one_that_can_hold_the_task(
+    r: redis.Redis,
+) -> None:
+    s = SyncScripts(r)
+    for name, mem in (("small", 24_000), ("big", 80_000), ("big2", 80_000)):
+        register(s, name)
+        assert claim(s, name, mem=mem) == []
+    submit(s, gpu_mb=40_000)
+    assert r.llen(keys.wake("big")) == 1
+    assert s.run("unpark", options(worker="big", classes=SETTINGS.class_names)) == 1
+    assert r.llen(keys.wake("big2")) == 1 and r.llen(keys.wake("small")) == 0

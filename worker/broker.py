@@ -160,7 +160,7 @@ class Broker:
         short batch. Returns (stop waiting: a higher class has work or another type
         heads the queue, the tasks taken)."""
         more = {"class": cls, "type": task_type, "n": n}
-        opts = self._claim_options(device_json, mem_mb, was_idle=False, redeliver=False, more=more)
+        opts = self._claim_options(device_json, mem_mb, more=more)
         reply = self._run_acked("claim", opts)
         return bool(int(reply[0])), [self._claimed(task) for task in reply[1:]]
 

@@ -122,7 +122,7 @@ class Heartbeat:
         try:
             beat = self.broker.beat(
                 self.state.info(),
-                self._current(),
+                self._rq_current(current),
                 drained,
                 RUN_TIME_TAU_S,
                 running,
@@ -131,10 +131,10 @@ class Heartbeat:
         except RedisError:
             self.recorder.restore(drained)
             raise
+        self._reaped(beat.reaped)  # it ran whatever became of the lease renewal
         if isinstance(beat.lease, RedisError):
             self.recorder.restore(drained)  # not folded in: they go with the next beat
             raise beat.lease
-        self._reaped(beat.reaped)
         if not beat.lease.renewed and not relist:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
@@ -157,9 +157,9 @@ class Heartbeat:
         else:
             record_reaped(reaped, self.recorder, "gave back a dead worker's task")
 
-    def _current(self) -> RqCurrent | None:
+    @staticmethod
+    def _rq_current(ctx: RunningTask | None) -> RqCurrent | None:
         """The task running now, for RQ's worker registry."""
-        ctx = self.runner.current
         if ctx is None:
             return None
         return RqCurrent(ctx.task_id, ctx.attempt, ctx.claimed.started_ms)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -79,7 +81,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             pass_fds=self.pass_fds,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - the supervisor runs no threads
+            preexec_fn=_child_setup(),  # noqa: PLW1509 - the supervisor runs no threads
         )
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -105,17 +107,25 @@ class Child:
         return True
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the supervisor dies without stopping it (even
-    by SIGKILL). Runs in the child between fork and exec."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: the child gets SIGTERM if the supervisor (pid ``parent``) dies without
+    stopping it (even by SIGKILL). Built in the supervisor, run in the child between
+    fork and exec: see :func:`_child_setup`."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() == 1:  # the supervisor died before prctl took effect
+        # The supervisor died before prctl took effect: the child was re-parented. (Not
+        # `getppid() == 1`: the supervisor may itself be pid 1, in a container.)
+        if os.getppid() != parent:
             os._exit(1)
+
+
+def _child_setup() -> Callable[[], None]:
+    """The preexec hook for a child of this process: dies with it (pid taken now)."""
+    return functools.partial(_die_with_parent, os.getpid())
 
 
 def _terminate(children: list[Child], within_s: float) -> None:
@@ -259,7 +269,7 @@ class Supervisor:
         self._claim_data_dir()
         env = dict(os.environ)
         if not self.settings.redis_remote:
-            self.redis = EmbeddedRedis(self.data_dir / "redis", preexec_fn=_die_with_parent)
+            self.redis = EmbeddedRedis(self.data_dir / "redis", preexec_fn=_child_setup())
             stale = self.redis.stop_stale()
             if stale:
                 say(f"stopped a stale private redis-server (pid {stale}) left in {self.data_dir}")

@@ -161,10 +161,15 @@ local function start(p, now)
   return {id, c, f[2], attempts, f[4] or '', f[5] or '', now, file, f[7] or ''}
 end
 
--- A task of a class served before position i is queued.
+-- A task this worker could take is queued in a class served before position i (its
+-- head: one too big for this worker's card does not count).
 local function higher_queued(i)
   for j = 1, i - 1 do
-    if redis.call('LLEN', K.queue(o.classes[j])) > 0 then return true end
+    local head = redis.call('LINDEX', K.queue(o.classes[j]), 0)
+    if head and (not o.mem or (tonumber(redis.call('HGET', K.job(head), 'gpu_mb')) or 0)
+      <= o.mem) then
+      return true
+    end
   end
   return false
 end
@@ -195,13 +200,13 @@ if o.more then
   return out
 end
 
--- The first task is started: add the rest of its batch when its type is batched.
+-- The first task is started: add the rest of its batch when its type is batched. (Every
+-- class served before c had nothing this worker could take, or the claim would have
+-- come from there.)
 local function with_batch(task, c, t, now)
   local out = {task}
   local size = t and o.batch and o.batch[t]
-  if size and size > 1 and not higher_queued(class_index(c)) then
-    take_same(c, t, size - 1, now, out)
-  end
+  if size and size > 1 then take_same(c, t, size - 1, now, out) end
   return out
 end
 

@@ -37,6 +37,8 @@ if #cancels > 0 then redis.call('DEL', K.control(o.worker)) end
 local held = 1
 if o.task then
   local f = redis.call('HMGET', K.job(o.task.id), 'status', 'worker_name', 'attempts')
+  -- Stricter than finish.lua's fencing on purpose: a run whose task was handed back
+  -- stops now rather than hold a GPU the task's next run will need.
   if not holds(f, o.worker, o.task.attempt) then held = 0 end
 end
 return {1 - added, cancels, held}

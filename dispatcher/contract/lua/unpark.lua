@@ -7,6 +7,9 @@ for _, c in ipairs(o.classes) do redis.call('ZREM', K.idle(c), o.worker) end
 redis.call('DEL', K.wake(o.worker))
 local woken = 0
 for _, c in ipairs(o.classes) do
-  if redis.call('LLEN', K.queue(c)) > 0 and wake(c, o.classes) then woken = woken + 1 end
+  local head = redis.call('LINDEX', K.queue(c), 0) -- wake one that can hold it
+  if head and wake(c, o.classes, redis.call('HGET', K.job(head), 'gpu_mb')) then
+    woken = woken + 1
+  end
 end
 return woken
