@@ -181,7 +181,7 @@ def test_health_counts_workers(http: httpx.Client, start_worker: WorkerFactory) 
     wait_for(lambda: http.get("/health").json()["workers"] == 1, 5, what="health to see the worker")
 
 
-def test_openapi_docs_served(http: httpx.Client) -> None:
+def test_openapi_docs_served(known_types: None, http: httpx.Client) -> None:
     docs = http.get("/docs")
     assert docs.status_code == 200
     # Swagger UI works offline: every asset the page names is on this origin, and served.
@@ -197,6 +197,13 @@ def test_openapi_docs_served(http: httpx.Client) -> None:
     assert {"/tasks", "/tasks/{task_id}", "/queues", "/workers", "/health"} <= set(spec["paths"])
     content = spec["paths"]["/tasks"]["post"]["requestBody"]["content"]
     assert {"application/json", "multipart/form-data"} <= set(content)
+    # Every field the API accepts is in the branches (they forbid any other).
+    for media, fields in (
+        ("application/json", {"type", "class", "args", "timeout_s", "gpu_memory_mb"}),
+        ("multipart/form-data", {"file", "type", "class", "gpu_memory_mb"}),
+    ):
+        for branch in content[media]["schema"]["oneOf"]:
+            assert fields <= set(branch["properties"]), (media, branch["properties"].keys())
 
 
 @pytest.mark.parametrize("status", ["succeeded", "failed"])

@@ -168,7 +168,7 @@ def test_a_submit_rings_the_fastest_parked_worker_first(r: redis.Redis) -> None:
 
 def test_no_fitting_worker_is_refused_at_admission(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    reply = submit_reply(s, gpu_mb=90_000, workers=0, no_fit=True)
+    reply = submit_reply(s, gpu_mb=90_000, workers=0, serving=2)  # 2 serve, none fits
     assert reply[0] == b"no_workers"
     assert r.llen(keys.queue("batch")) == 0
 

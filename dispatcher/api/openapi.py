@@ -46,6 +46,14 @@ def _json_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
                 ],
                 "description": "Seconds; null or absent: the class's default.",
             },
+            "gpu_memory_mb": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": settings.max_gpu_memory_mb},
+                    {"type": "null"},
+                ],
+                "description": f"GPU memory the task needs, MB; null or absent: the type's "
+                f"declaration ({info.gpu_memory_mb}).",
+            },
         },
     }
 
@@ -62,6 +70,12 @@ def _file_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
             "file": {"type": "string", "format": "binary", "minLength": 1},
             "type": {"const": info.name, "description": info.description},
             "class": {"enum": settings.class_names, "default": settings.default_class},
+            "gpu_memory_mb": {
+                "type": "string",
+                "pattern": "^[0-9]{1,12}$",
+                "description": f"GPU memory the task needs, MB (at most "
+                f"{settings.max_gpu_memory_mb}); absent: the type's declaration.",
+            },
         },
     }
 

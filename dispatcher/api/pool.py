@@ -42,10 +42,8 @@ class ClassState:
 
     @property
     def largest_mb(self) -> int | None:
-        """The most GPU memory a live worker of the class offers; None: no limit (or none)."""
-        if not self.capacities or None in self.capacities:
-            return None
-        return max(cap for cap in self.capacities if cap is not None)
+        """The most GPU memory a live worker's card of the class offers (None: no card)."""
+        return max((cap for cap in self.capacities if cap is not None), default=None)
 
     @property
     def estimated_wait_s(self) -> float | None:

@@ -103,7 +103,6 @@ def submit_options(
     workers: int,
     run_s: float,
     settings: Settings,
-    no_fit: bool = False,
     serving: int | None = None,
 ) -> str:
     """submit.lua's options: the task, its class's limits and the pool's state
@@ -132,7 +131,6 @@ def submit_options(
         lane=sub.tenant if settings.fair_share and sub.weight is not None else "",
         weight=sub.weight or 1.0,
         gpu_mb=sub.gpu_memory_mb,
-        no_fit=no_fit,
         serving=workers if serving is None else serving,
         classes=settings.class_names,
         **{"class": sub.cls},
@@ -155,11 +153,7 @@ class TaskStore:
 
     async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
         workers = state.fitting(sub.gpu_memory_mb)
-        # Live workers serve the class, but none has a GPU that could hold the task.
-        no_fit = workers == 0 and state.workers > 0
-        opts = submit_options(
-            sub, state.config, workers, state.run_s, self.settings, no_fit, state.workers
-        )
+        opts = submit_options(sub, state.config, workers, state.run_s, self.settings, state.workers)
         data = encode_call(sub.task_type, sub.args, sub.file)
         wanted = self.settings.min_replica_acks
         if wanted > 0:

@@ -57,7 +57,8 @@ gpulane's keys::
                                             t:<tenant> (an idle tenant's next tag),
                                             w:<tenant> (its weight, written by submits)
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
-    gpulane:idem:<tenant>:<digest>   STRING task id owning an Idempotency-Key
+    gpulane:idem:<tenant>:<digest>   STRING "<task id> <request fingerprint>" owning an
+                                            Idempotency-Key
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
                                             (created ms), for max_in_flight
     gpulane:rate:<tenant>            HASH   the tenant's token bucket: tokens, at_ms

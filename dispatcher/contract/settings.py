@@ -186,7 +186,11 @@ class Settings(BaseSettings):
         "same way and are retried. 0: no wait.",
     )
     replica_ack_timeout_s: float = Field(
-        1.0, gt=0, le=60, description="How long POST /tasks waits for those replica acks."
+        1.0,
+        gt=0,
+        le=60,
+        description="How long POST /tasks, and a worker's claims and reports, wait for "
+        "those replica acks.",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

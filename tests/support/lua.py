@@ -37,14 +37,13 @@ def submit_reply(
     gpu_mb: int = 0,
     workers: int = 1,
     settings: Settings = SETTINGS,
-    no_fit: bool = False,
     serving: int | None = None,
 ) -> list[Any]:
     """submit.lua's reply; ``weight`` set: the tenant has a fair-share lane."""
     sub = Submission(
         task_type, cls, {}, timeout_s=60, tenant=tenant, weight=weight, gpu_memory_mb=gpu_mb
     )
-    opts = submit_options(sub, settings.classes[cls], workers, 1.0, settings, no_fit, serving)
+    opts = submit_options(sub, settings.classes[cls], workers, 1.0, settings, serving)
     reply: list[Any] = s.run("submit", opts, encode_call(task_type, {}), "")
     return reply
 

@@ -156,7 +156,9 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErro
             headers={"Retry-After": str(retry)},
             retry_after_s=retry,
         )
-    workers = state.fitting(sub.gpu_memory_mb)
+    # The queue drains at the whole class's pace; with no card that fits, a bigger one
+    # may join within a lease (NO_WORKERS_RETRY_S).
+    workers = state.workers if state.fitting(sub.gpu_memory_mb) else 0
     retry = admission.retry_after_s(result.depth, state.run_s, workers, state.config)
     headers = {
         **_backpressure(result.depth, result.estimated_wait_s, "full"),
@@ -189,8 +191,8 @@ async def _submit(
     state = snap.classes[sub.cls]
     result = await svc.store.submit(sub, state)
     if result.verdict == "no_workers":
-        # The cached snapshot may predate a worker that just registered: look again
-        # before refusing (cheap: with no live worker for the class there is little to read).
+        # The cached snapshot may predate a worker that just registered (or one with a
+        # bigger card): look again before refusing. Refusals only pay it.
         state = (await svc.pool.snapshot()).classes[sub.cls]
         result = await svc.store.submit(sub, state)
     return result, state
@@ -292,8 +294,8 @@ def _not_found(task_id: str) -> ApiError:
 
 
 _WAIT_DOC = (
-    "Seconds to wait for the task to be final (0 to wait_max_s, default 60; longer is "
-    "clamped). Answers the moment it is final, else with the live record after them."
+    "Seconds to wait for the task to be final (absent or 0: answer at once; longer than "
+    "wait_max_s, 60 by default, is clamped). Answers the moment it is final, else with the live record after them."
 )
 
 

@@ -36,12 +36,12 @@ end
 -- the task itself waits for one of the `workers` that can hold it.
 local est_ms = -1
 if o.workers > 0 then
-  est_ms = math.ceil((ahead / math.max(o.serving or o.workers, o.workers) + 1 / o.workers)
-    * o.run_s * 1000)
+  est_ms = math.ceil((ahead / o.serving + 1 / o.workers) * o.run_s * 1000)
 end
 
--- no_fit: live workers serve the class but none has a GPU that could hold the task.
-if (o.workers == 0 and o.reject_without_workers) or o.no_fit then
+-- `workers`: live workers of the class whose card could hold the task; `serving`: all
+-- of them. Some serve it, none could hold it: refused whatever reject_without_workers.
+if o.workers == 0 and (o.reject_without_workers or o.serving > 0) then
   return {'no_workers', '', depth, est_ms, ''}
 end
 if depth >= o.max_queued then return {'queue_full', '', depth, est_ms, 'depth'} end
