@@ -295,7 +295,8 @@ def _not_found(task_id: str) -> ApiError:
 
 _WAIT_DOC = (
     "Seconds to wait for the task to be final (absent or 0: answer at once; longer than "
-    "wait_max_s, 60 by default, is clamped). Answers the moment it is final, else with the live record after them."
+    "wait_max_s, 60 by default, is clamped). Answers the moment it is final, else "
+    "with the live record after them."
 )
 
 
