@@ -11,7 +11,7 @@ from collections import Counter
 
 import redis
 import redis.asyncio as aioredis
-from support.lua import SETTINGS, claim, park_score, register, submit, submit_reply
+from support.lua import SETTINGS, claim, finish, park_score, register, submit, submit_reply
 
 from dispatcher.api.exporter import parse, pool_families, render
 from dispatcher.api.pool import Pool, Snapshot
@@ -230,9 +230,7 @@ def test_a_result_from_a_worker_presumed_dead_takes_the_task_out_of_its_lane(
     (line,) = s.run("reap", reap_options(SETTINGS))
     assert line.decode().endswith("|requeued")
     assert r.lrange(keys.lane("batch", "a"), 0, -1) == [task_id.encode(), other.encode()]
-    finish = options(id=task_id, worker="w", attempt=1, status="finished", error="",
-                     progress="", ttl_s=60, **{"class": "batch"})  # fmt: skip
-    assert s.run("finish", finish, "{}")[0] == b"ok"
+    assert finish(s, "w", task_id, {}) == b"ok"
     assert r.lrange(keys.lane("batch", "a"), 0, -1) == [other.encode()]
     assert r.lrange(keys.queue("batch"), 0, -1) == [other.encode()]
 

@@ -28,13 +28,6 @@ from dispatcher.contract.scripts import SyncScripts, options
 from testkit import wait_for
 
 
-def _submit(s: SyncScripts) -> str:
-    return submit(s)
-
-
-_register = register
-
-
 def _claim(s: SyncScripts, worker: str) -> int:
     """Claim the next task; its attempt number (the fencing token)."""
     (task,) = claim_tasks(s, worker)  # one task: not a batched type
@@ -82,11 +75,11 @@ def s(r: redis.Redis) -> SyncScripts:
 def test_stale_finish_after_a_reclaim_by_another_worker_is_fenced(
     r: redis.Redis, s: SyncScripts
 ) -> None:
-    task_id = _submit(s)
-    _register(s, "old")
+    task_id = submit(s)
+    register(s, "old")
     assert _claim(s, "old") == 1
     _lose_lease(s, r, "old")
-    _register(s, "new")
+    register(s, "new")
     assert _claim(s, "new") == 2
     before = r.hgetall(keys.job(task_id))
     assert _finish(s, "old", task_id, 1) == b"fenced"
@@ -103,11 +96,11 @@ def test_stale_finish_after_a_reclaim_under_the_same_name_is_fenced(
     """A new process took the name of the stalled one and claimed the task again: the
     worker name matches, the attempt does not. The stale report must neither write the
     record nor take the task out of the new run's in-flight list."""
-    task_id = _submit(s)
-    _register(s, "w")
+    task_id = submit(s)
+    register(s, "w")
     assert _claim(s, "w") == 1
     _lose_lease(s, r, "w")
-    _register(s, "w")  # the name is free again: a fresh process takes it
+    register(s, "w")  # the name is free again: a fresh process takes it
     assert _claim(s, "w") == 2
     assert _finish(s, "w", task_id, 1) == b"fenced"
     assert r.hget(keys.job(task_id), "status") == b"started"
@@ -124,8 +117,8 @@ def test_finish_of_a_given_back_task_nobody_restarted_is_kept(
 ) -> None:
     """Given back but not started again: the stale run is still the latest attempt,
     so its result is kept and the task leaves the queue (no one runs it twice)."""
-    task_id = _submit(s)
-    _register(s, "w")
+    task_id = submit(s)
+    register(s, "w")
     _claim(s, "w")
     _lose_lease(s, r, "w")
     assert r.lrange(keys.queue("batch"), 0, -1) == [task_id.encode()]
@@ -135,15 +128,15 @@ def test_finish_of_a_given_back_task_nobody_restarted_is_kept(
 
 
 def test_progress_only_from_the_current_run(r: redis.Redis, s: SyncScripts) -> None:
-    task_id = _submit(s)
-    _register(s, "old")
+    task_id = submit(s)
+    register(s, "old")
     _claim(s, "old")
     assert _progress(s, "old", task_id, 1, "first") == 1
     assert json.loads(r.hget(keys.job(task_id), "progress"))["message"] == "first"
     _lose_lease(s, r, "old")
     assert _progress(s, "old", task_id, 1, "stale, queued") == 0  # requeue cleared it
     assert r.hget(keys.job(task_id), "progress") == b""
-    _register(s, "new")
+    register(s, "new")
     _claim(s, "new")
     assert _progress(s, "new", task_id, 2, "current") == 1
     assert _progress(s, "old", task_id, 1, "stale, running elsewhere") == 0
@@ -159,24 +152,24 @@ def test_progress_of_an_expired_record_does_not_recreate_it(r: redis.Redis, s: S
 def test_heartbeat_tells_a_worker_whether_it_still_holds_its_run(
     r: redis.Redis, s: SyncScripts
 ) -> None:
-    task_id = _submit(s)
-    _register(s, "old")
+    task_id = submit(s)
+    register(s, "old")
     _claim(s, "old")
     assert _heartbeat_holds(s, "old", task_id, 1)
     _lose_lease(s, r, "old")
     assert not _heartbeat_holds(s, "old", task_id, 1)  # given back: stop the run
-    _register(s, "new")
+    register(s, "new")
     _claim(s, "new")
     assert not _heartbeat_holds(s, "old", task_id, 1)
     assert _heartbeat_holds(s, "new", task_id, 2)
 
 
 def test_fenced_reports_are_exported(r: redis.Redis, s: SyncScripts) -> None:
-    task_id = _submit(s)
-    _register(s, "old")
+    task_id = submit(s)
+    register(s, "old")
     _claim(s, "old")
     _lose_lease(s, r, "old")
-    _register(s, "new")
+    register(s, "new")
     _claim(s, "new")
     _finish(s, "old", task_id, 1)
     snap = Snapshot(now_ms=0, classes={})

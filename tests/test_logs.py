@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from dispatcher.contract.logs import RepeatFilter, TextFormatter
-from testkit import ApiServer
+from testkit import ApiServer, wait_for
 
 ABORTS = 50
 
@@ -68,6 +68,11 @@ def test_aborted_uploads_log_a_line_each_without_tracebacks(
     with socket.create_connection(("127.0.0.1", api.port), timeout=5) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 200")
+    wait_for(
+        lambda: sum("client disconnected" in r.getMessage() for r in caplog.records) == ABORTS,
+        10,
+        what="one line per aborted upload",
+    )
     formatter = TextFormatter()
     lines = sum(formatter.format(r).count("\n") + 1 for r in caplog.records)
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"

@@ -151,8 +151,9 @@ def test_the_command_reads_the_health_file_setting_and_the_heartbeat(tmp_path: P
     assert stale.returncode == 1
     assert "max 3 s" in stale.stdout
     assert _probe("ready", GPULANE_HEALTH_FILE=str(path)).returncode == 1
-    # A slower heartbeat stretches the default: 3 x 2 s.
-    slow = {"GPULANE_HEARTBEAT_INTERVAL_S": "2", "GPULANE_LEASE_TTL_S": "6"}
+    # A slower heartbeat stretches the default: 3 x 10 s (the file is 4 s old and more
+    # by now: far inside it, however slow the probes above were to start).
+    slow = {"GPULANE_HEARTBEAT_INTERVAL_S": "10", "GPULANE_LEASE_TTL_S": "30"}
     assert _probe("live", GPULANE_HEALTH_FILE=str(path), **slow).returncode == 0
     _write(path, age_s=0, ready=False, state="starting")
     assert _probe("live", GPULANE_HEALTH_FILE=str(path)).returncode == 0
@@ -179,8 +180,10 @@ def test_a_real_worker_passes_its_probes_until_it_stops(
     wait_for(path.exists, 2, what="the first health file")
     env = {
         "GPULANE_HEALTH_FILE": str(path),
-        "GPULANE_HEARTBEAT_INTERVAL_S": "0.2",  # the worker's (FAST): max age 0.6 s
-        "GPULANE_LEASE_TTL_S": "1.0",
+        # The probe's own max age (3 x its heartbeat), not the worker's: 3 s leaves a
+        # one-shot probe room on a loaded machine; the worker rewrites every 0.2 s.
+        "GPULANE_HEARTBEAT_INTERVAL_S": "1",
+        "GPULANE_LEASE_TTL_S": "3",
     }
     assert read_health(path).name == worker.name
     wait_for(lambda: _probe("ready", **env).returncode == 0, 10, what="the ready probe")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import redis
-from support.lua import CLASSES, SETTINGS, claim_tasks, register, submit
+from support.lua import CLASSES, SETTINGS, claim, claim_tasks, register, submit
 from support.lua import finish as _finish
 
 from dispatcher.api.store import Submission, submit_options
@@ -14,13 +14,6 @@ from dispatcher.contract import keys
 from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.reaper import lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
-
-
-def _submit(s: SyncScripts, cls: str = "batch", task_type: str = "echo") -> str:
-    return submit(s, cls, task_type=task_type)
-
-
-_register = register
 
 
 def _claim(s: SyncScripts, worker: str, redeliver: bool = False) -> list | None:
@@ -35,13 +28,13 @@ def _expire_lease(r: redis.Redis, worker: str) -> None:
 
 def test_task_run_twice_is_reported_by_its_current_attempt(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    task_id = _submit(s)
-    _register(s, "slow")
+    task_id = submit(s)
+    register(s, "slow")
     assert _claim(s, "slow")[0].decode() == task_id
     _expire_lease(r, "slow")  # "slow" lives on but missed its heartbeats
     reaped = parse_reaped(s.run("reap", reap_options(SETTINGS)))
     assert [(x.task_id, x.outcome) for x in reaped] == [(task_id, "requeued")]
-    _register(s, "fast")
+    register(s, "fast")
     assert _claim(s, "fast")[3] == 2  # the second attempt
     assert _finish(s, "slow", task_id, {"by": "slow"}, attempt=1) == b"fenced"
     assert r.hget(keys.job(task_id), "status") == b"started"  # untouched
@@ -54,8 +47,8 @@ def test_task_run_twice_is_reported_by_its_current_attempt(r: redis.Redis) -> No
 
 def test_late_report_of_a_requeued_task_takes_it_off_the_queue(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    task_id = _submit(s)
-    _register(s, "w")
+    task_id = submit(s)
+    register(s, "w")
     _claim(s, "w")
     _expire_lease(r, "w")
     s.run("reap", reap_options(SETTINGS))
@@ -66,8 +59,8 @@ def test_late_report_of_a_requeued_task_takes_it_off_the_queue(r: redis.Redis) -
 
 def test_reaper_gives_grace_after_an_outage(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    task_id = _submit(s)
-    _register(s, "w")
+    task_id = submit(s)
+    register(s, "w")
     _claim(s, "w")
     _expire_lease(r, "w")
     r.set(keys.REAPER_LAST, 1)  # the last pass was long ago: nobody could heartbeat
@@ -78,14 +71,14 @@ def test_reaper_gives_grace_after_an_outage(r: redis.Redis) -> None:
 
 def test_claim_is_priority_ordered_and_parks_when_empty(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    batch, interactive = _submit(s, "batch"), _submit(s, "interactive")
-    _register(s, "w")
+    batch, interactive = submit(s, "batch"), submit(s, "interactive")
+    register(s, "w")
     assert _claim(s, "w")[0].decode() == interactive
     assert _claim(s, "w")[0].decode() == batch
     assert _claim(s, "w") is None
     for cls in ("batch", "interactive"):  # parked (scored by speed and GPU memory)
         assert r.zscore(keys.idle(cls), "w") is not None
-    _submit(s, "batch")  # rings the parked worker's doorbell and unparks it everywhere
+    submit(s, "batch")  # rings the parked worker's doorbell and unparks it everywhere
     assert r.llen(keys.wake("w")) == 1
     assert r.zscore(keys.idle("interactive"), "w") is None
 
@@ -94,8 +87,8 @@ def test_cancel_requested_before_a_release_is_kept(r: redis.Redis) -> None:
     """A running task whose client canceled it, then handed back (shutdown or retry):
     it ends canceled instead of running again on the next worker."""
     s = SyncScripts(r)
-    task_id = _submit(s)
-    _register(s, "w")
+    task_id = submit(s)
+    register(s, "w")
     _claim(s, "w")
     cancel = options(id=task_id, tenant="", any_tenant=True, ttl_s=60)
     assert s.run("cancel", cancel) == [b"cancel_requested"]
@@ -109,7 +102,7 @@ def test_cancel_requested_before_a_release_is_kept(r: redis.Redis) -> None:
 def test_an_empty_tenant_is_no_wildcard(r: redis.Redis) -> None:
     """Only an explicit any_tenant flag cancels another tenant's task; '' is a name."""
     s = SyncScripts(r)
-    task_id = _submit(s)  # tenant "t"
+    task_id = submit(s)  # tenant "t"
     for tenant in ("", "other"):
         cancel = options(id=task_id, tenant=tenant, ttl_s=60)
         assert s.run("cancel", cancel) == [b"not_found"]
@@ -119,8 +112,8 @@ def test_an_empty_tenant_is_no_wildcard(r: redis.Redis) -> None:
 
 def test_a_claim_whose_reply_was_lost_is_redelivered(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    first, second = _submit(s), _submit(s)
-    _register(s, "w")
+    first, second = submit(s), submit(s)
+    register(s, "w")
     assert _claim(s, "w")[0].decode() == first  # ...and the reply never arrived
     assert _claim(s, "w", redeliver=True)[0].decode() == first  # the same task again
     assert r.lrange(keys.inflight("w", "batch"), 0, -1) == [first.encode()]
@@ -130,9 +123,9 @@ def test_a_claim_whose_reply_was_lost_is_redelivered(r: redis.Redis) -> None:
 def test_unpark_passes_a_taken_doorbell_on(r: redis.Redis) -> None:
     s = SyncScripts(r)
     for name in ("a", "b"):
-        _register(s, name)
+        register(s, name)
         assert _claim(s, name) is None  # both park
-    _submit(s)  # rings one of them
+    submit(s)  # rings one of them
     rung = next(name for name in ("a", "b") if r.llen(keys.wake(name)))
     other = "b" if rung == "a" else "a"
     # The rung worker is stopping: it leaves without claiming and passes the bell on.
@@ -145,7 +138,7 @@ def test_grace_after_an_outage_covers_every_lease(r: redis.Redis) -> None:
     s = SyncScripts(r)
     workers = [f"w{i}" for i in range(100)]  # more than one reaper pass handles
     for name in workers:
-        _register(s, name)
+        register(s, name)
         _expire_lease(r, name)
     r.set(keys.REAPER_LAST, 1)
     assert s.run("reap", reap_options(SETTINGS)) == []
@@ -160,9 +153,9 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
     sub = Submission("echo", "batch", {}, timeout_s=60, tenant="t")
     opts = submit_options(sub, SETTINGS.classes["batch"], workers=1, run_s=1.0, settings=SETTINGS)
     task_id = s.run("submit", opts, encode_call("echo", {}), b"%PDF-1.4")[1].decode()
-    plain_id = _submit(s)
+    plain_id = submit(s)
     assert r.exists(keys.file(task_id))
-    _register(s, "w")
+    register(s, "w")
     for claimed in (task_id, plain_id):
         assert _claim(s, "w")[0].decode() == claimed  # started: published
         assert _finish(s, "w", claimed, {}) == b"ok"  # final: published
@@ -176,8 +169,8 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
 
 def test_a_dead_workers_task_is_published_when_given_back(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    task_id = _submit(s)
-    _register(s, "gone")
+    task_id = submit(s)
+    register(s, "gone")
     assert _claim(s, "gone")[0].decode() == task_id
     events = r.pubsub()
     events.subscribe(keys.EVENTS)
@@ -190,23 +183,16 @@ def test_a_dead_workers_task_is_published_when_given_back(r: redis.Redis) -> Non
     events.close()
 
 
-def _claim_batch(s: SyncScripts, batch: dict[str, int], **more: object) -> list:
-    opts = options(worker="w", classes=CLASSES, aging={}, was_idle=False, device="{}",
-                   redeliver=False, batch=batch, **({"more": more} if more else {}))  # fmt: skip
-    reply: list = s.run("claim", opts)
-    return reply
-
-
 def test_a_batch_is_the_head_run_of_its_type_and_goes_back_whole(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    ids = [_submit(s, task_type="emb") for _ in range(3)]
-    other, last = _submit(s), _submit(s, task_type="emb")
-    _register(s, "w")
-    assert [t[0].decode() for t in _claim_batch(s, {"emb": 8})] == ids
+    ids = [submit(s, task_type="emb") for _ in range(3)]
+    other, last = submit(s), submit(s, task_type="emb")
+    register(s, "w")
+    assert claim(s, "w", batch={"emb": 8}) == ids
     assert r.lrange(keys.inflight("w", "batch"), 0, -1) == [i.encode() for i in ids]
     assert {r.hget(keys.job(i), "status") for i in ids} == {b"started"}
     # Waiting for more stops at once: another type heads the queue.
-    assert _claim_batch(s, {}, **{"class": "batch", "type": "emb", "n": 5}) == [1]
+    assert claim_tasks(s, "w", more={"class": "batch", "type": "emb", "n": 5}) == [1]
     # A dead worker's batch goes back to the head, in its order.
     s.run("unregister", options(**lease_options(SETTINGS), worker="w"))
     assert r.lrange(keys.queue("batch"), 0, -1) == [i.encode() for i in [*ids, other, last]]
@@ -214,14 +200,14 @@ def test_a_batch_is_the_head_run_of_its_type_and_goes_back_whole(r: redis.Redis)
 
 def test_no_batch_grows_while_a_higher_class_waits(r: redis.Redis) -> None:
     s = SyncScripts(r)
-    first, second = _submit(s, task_type="emb"), _submit(s, task_type="emb")
-    _register(s, "w")
-    assert [t[0].decode() for t in _claim_batch(s, {"emb": 1})] == [first]
-    urgent = _submit(s, "interactive")
+    first, second = submit(s, task_type="emb"), submit(s, task_type="emb")
+    register(s, "w")
+    assert claim(s, "w", batch={"emb": 1}) == [first]
+    urgent = submit(s, "interactive")
     more = {"class": "batch", "type": "emb", "n": 4}
-    assert _claim_batch(s, {}, **more) == [1]  # stop waiting, take nothing
+    assert claim_tasks(s, "w", more=more) == [1]  # stop waiting, take nothing
     r.lrem(keys.queue("interactive"), 0, urgent)
-    reply = _claim_batch(s, {}, **more)
+    reply = claim_tasks(s, "w", more=more)
     assert reply[0] == 0 and [t[0].decode() for t in reply[1:]] == [second]
 
 

@@ -125,8 +125,12 @@ def _saturated(stack: Stack, submitter: Submitter, corpus: list[str]) -> dict[st
     assert all(r["status"] == "finished" for r in rows), "an embed task failed"
     first = min(r["started_ms"] for r in rows)
     last = max(r["ended_ms"] for r in rows)
-    time.sleep(1.2)  # one heartbeat: the batch sizes reach the metrics hash
-    after = _batch_stats(client)
+    # The batch sizes reach the metrics hash with the workers' next heartbeat.
+    after = wait_for(
+        lambda: s if (s := _batch_stats(client))[1] - before[1] >= len(ids) else None,
+        10,
+        "the batch sizes in the metrics",
+    )
     batches = after[0] - before[0]
     return {
         "rate": len(ids) / ((last - first) / 1000),

@@ -77,9 +77,11 @@ def claim_tasks(
     rank: int = 1000,
     redeliver: bool = False,
     aging: dict[str, int] | None = None,
-) -> list[list[Any]]:
+    more: dict[str, Any] | None = None,
+) -> list[Any]:
     """The tasks one claim took, as claim.lua returns them: [id, class, data, attempt,
-    timeout, created_ms, started_ms, file, type]; empty: the worker parked."""
+    timeout, created_ms, started_ms, file, type]; empty: the worker parked. With
+    ``more`` ({class, type, n}): [stop, task, ...]."""
     opts = options(
         worker=worker,
         classes=classes,
@@ -90,6 +92,7 @@ def claim_tasks(
         batch=batch or {},
         rank=rank,
         **({} if mem is None else {"mem": mem}),
+        **({} if more is None else {"more": more}),
     )
     return list(s.run("claim", opts) or [])
 
