@@ -136,12 +136,14 @@ end
 
 -- Remove `id` (created at `created_ms`) from the class list, scanning from the end it
 -- is nearer by age: a fair claim takes tasks from anywhere in a long backlog, and a
--- scan from the wrong end would cost in proportion to the whole backlog.
-local function unlist(cls, id, created_ms, now)
+-- scan from the wrong end would cost in proportion to the whole backlog. `known`: the
+-- list's head {id, created_ms} when the caller has just read it.
+local function unlist(cls, id, created_ms, now, known)
   local qk = K.queue(cls)
-  local head = redis.call('LINDEX', qk, 0)
+  local head = known and known[1] or redis.call('LINDEX', qk, 0)
   if head == id then redis.call('LPOP', qk); return end
-  local oldest = head and tonumber(redis.call('HGET', K.job(head), 'created_ms'))
+  local oldest = known and tonumber(known[2])
+    or head and tonumber(redis.call('HGET', K.job(head), 'created_ms'))
   local age = now - (tonumber(created_ms) or now)
   local from_tail = oldest and age * 2 < now - oldest
   redis.call('LREM', qk, from_tail and -1 or 1, id)

@@ -79,18 +79,16 @@ local function peek_lanes(c, active)
 end
 
 -- The head of class c moved into the in-flight list at once (the common case costs what
--- a plain dequeue does), with its fields: {c, id, f, 0, lane, tag, moved = true}, or
--- nil when the class is empty. A caller that does not take it calls unpeek.
+-- a plain dequeue does), with its fields: {c, id, f, index in its lane (unknown),
+-- lane, tag (unknown), moved = true}, or nil when the class is empty. A caller that
+-- does not take it calls unpeek.
 local function peek_head(c)
   local qk, ik = K.queue(c), K.inflight(w, c)
   while true do
     local id = redis.call('LMOVE', qk, ik, 'LEFT', 'RIGHT')
     if not id then return nil end
     local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-    if live(f) then
-      local t = f[9] ~= '' and f[9] or false
-      return {c, id, f, 0, t, t and tonumber(redis.call('ZSCORE', K.lanes(c), t)) or 0, true}
-    end
+    if live(f) then return {c, id, f, false, f[9] ~= '' and f[9] or false, false, true} end
     redis.call('LREM', ik, -1, id) -- stale: record expired or already final
   end
 end
@@ -100,19 +98,30 @@ local function unpeek(p)
   if p[7] then redis.call('LMOVE', K.inflight(w, p[1]), K.queue(p[1]), 'RIGHT', 'LEFT') end
 end
 
--- The task a claim on class c would take: {c, id, f, index, lane, tag, moved}. The
--- head if it has no lane and fits; else, under fair share (a laned head), the lanes'
--- first fit; else the first fit past the head.
+-- The task a claim on class c would take: {c, id, f, index, lane, tag, moved, head}.
+-- The head if it has no lane and fits; else, under fair share (a laned head), the
+-- lanes' first fit; else the first fit past the head. While the others are looked at,
+-- the head stays in the in-flight list (so the class list starts past it); it is put
+-- back unless it is the pick, and `head` tells take() what the list's head is.
 local function peek(c)
   local head = peek_head(c)
   if not head then return nil end
   if not head[5] and fits(head[3]) then return head end
-  unpeek(head)
+  local p
   local active = redis.call('ZRANGE', K.lanes(c), 0, MAX_LANES - 1, 'WITHSCORES')
-  if #active > 0 then return peek_lanes(c, active) end
-  local id, f, index = first_fit(K.queue(c))
-  if id then return {c, id, f, index, false, 0, false} end
-  return nil
+  if #active > 0 then
+    p = peek_lanes(c, active)
+  elseif fits(head[3]) then -- a lane-tagged head with no lanes left (lost keys): serve it
+    head[5] = false
+    return head
+  else
+    local id, f, index = first_fit(K.queue(c))
+    if id then p = {c, id, f, index, false, false} end
+  end
+  if p and p[2] == head[2] then p[7] = true; return p end -- the head after all: moved
+  unpeek(head)
+  if p then p[8] = {head[2], head[3][5]} end
+  return p
 end
 
 -- Take the peeked task: out of its lists into the in-flight list; charge its tenant.
@@ -121,17 +130,13 @@ local function take(p, now)
   local ik = K.inflight(w, c)
   if t then
     local key = K.lane(c, t)
-    if index == 0 and redis.call('LINDEX', key, 0) == id then
-      redis.call('LPOP', key)
-    else
-      redis.call('LREM', key, 1, id)
-    end
+    if index == 0 then redis.call('LPOP', key) else redis.call('LREM', key, 1, id) end
   end
   if not moved then
-    if t then unlist(c, id, f[5], now) else redis.call('LREM', K.queue(c), 1, id) end
+    if t then unlist(c, id, f[5], now, p[8]) else redis.call('LREM', K.queue(c), 1, id) end
     redis.call('RPUSH', ik, id)
   end
-  if t then charge(c, t, tag) end
+  if t then charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t))) end
 end
 
 -- The first class below position i whose oldest task waited longer than its aging.
