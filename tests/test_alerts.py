@@ -17,6 +17,7 @@ import pytest
 import redis
 import yaml
 from conftest import WorkerFactory, make_settings
+from support.catalog import tenant
 from support.observe import promtool_check, scrape
 
 from dispatcher.contract.settings import Settings
@@ -153,13 +154,16 @@ def test_redis_and_class_worker_gauges(
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_metrics_while_redis_is_down() -> None:
-    """/metrics still answers, with gpulane_redis_up 0 and no pool series (none is known)."""
+@pytest.mark.parametrize("keys", [False, True], ids=["open", "admin-key"])
+def test_metrics_while_redis_is_down(keys: bool) -> None:
+    """/metrics still answers, with gpulane_redis_up 0 and no pool series (none is known),
+    with keys configured too (the rate limit lives in Redis; the key check does not)."""
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
-    server = ApiServer(make_settings(nowhere)).start()
+    tenants = [tenant("ops", "ops-key", admin=True)] if keys else []
+    server = ApiServer(make_settings(nowhere, tenants=tenants)).start()
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
-            result = scrape(client)
+            result = scrape(client, Authorization="Bearer ops-key")
     finally:
         server.stop()
     assert result.value("gpulane_redis_up") == 0
