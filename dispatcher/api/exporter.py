@@ -249,18 +249,19 @@ def _model_gauge(workers: Sequence[Mapping[str, Any]]) -> Metric:
     return load
 
 
-def redis_families(memory: Mapping[str, Any] | None) -> list[Metric]:
+def redis_families(memory: Mapping[str, int | None] | None) -> list[Metric]:
     """Whether this replica reaches Redis and, when it does, Redis' memory against its
-    ``maxmemory`` (0: no limit) from ``INFO memory``; ``memory`` is None when Redis is
-    unreachable, and ``gpulane_redis_up`` is then the one gpulane series exported."""
+    ``maxmemory`` (0: no limit): ``memory`` as ``/health`` reads it (``used_bytes``,
+    ``max_bytes``, None for no limit), or None when Redis is unreachable, and
+    ``gpulane_redis_up`` is then the one gpulane series exported."""
     up = GaugeMetricFamily("gpulane_redis_up", "1 when this API replica reaches Redis, else 0.")
     up.add_metric((), 0.0 if memory is None else 1.0)
     if memory is None:
         return [up]
     used = GaugeMetricFamily("gpulane_redis_memory_used_bytes", "Memory Redis uses.")
-    used.add_metric((), float(memory["used_memory"]))
+    used.add_metric((), float(memory["used_bytes"] or 0))
     limit = GaugeMetricFamily("gpulane_redis_maxmemory_bytes", "Redis maxmemory; 0: no limit.")
-    limit.add_metric((), float(memory.get("maxmemory", 0)))
+    limit.add_metric((), float(memory["max_bytes"] or 0))
     return [up, used, limit]
 
 

@@ -98,7 +98,7 @@ async def metrics(request: Request) -> Response:
     # counters beside them are that fresh anyway; a scrape costs one HGETALL and one INFO.
     try:
         recorded, snap, memory = await asyncio.gather(
-            read_recorded(svc.client), svc.pool.cached(), svc.client.info("memory")
+            read_recorded(svc.client), svc.pool.cached(), _memory(svc)
         )
         families = [*pool_families(recorded, snap), *redis_families(memory)]
     except RedisError:  # still a 200: gpulane_redis_up 0 is what an alert needs
