@@ -36,8 +36,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dispatcher.api.store import NotReplicated
-from dispatcher.contract.connect import refused
+from dispatcher.contract.connect import ReplicaLag, refused
 
 __all__ = [
     "FULL_RETRY_AFTER_S",
@@ -129,7 +128,13 @@ def _response(exc: ApiError, request: Request) -> JSONResponse:
 def store_error(exc: RedisError) -> ApiError:
     """The 503 for a Redis error (module docstring); logs what an operator must see."""
     retry = STORE_RETRY_AFTER_S
-    if isinstance(exc, OutOfMemoryError):
+    if isinstance(exc, ReplicaLag):  # min_replica_acks: a submit not confirmed in time
+        log.warning("submit not confirmed by replicas: %s", exc)
+        message = (
+            "The task store could not confirm the task on its replicas in time; "
+            "resubmit with the same Idempotency-Key."
+        )
+    elif isinstance(exc, OutOfMemoryError):
         retry = FULL_RETRY_AFTER_S
         message = "The task store (Redis) is full (maxmemory); nothing was written. Retry later."
         log.warning("redis is full (maxmemory): a write was refused")
@@ -145,17 +150,10 @@ def store_error(exc: RedisError) -> ApiError:
     return ApiError(503, "store_unavailable", message, headers={"Retry-After": str(retry)})
 
 
-def store_failure(exc: RedisError | NotReplicated, request: Request) -> ApiError:
-    """The 503 for a store failure seen while answering ``request``: a Redis error, or a
-    submit its replicas did not confirm. A full Redis is remembered for GET /health."""
-    if isinstance(exc, NotReplicated):
-        log.warning("submit not confirmed by replicas: %s", exc)
-        message = (
-            "The task store could not confirm the task on its replicas in time; "
-            "resubmit with the same Idempotency-Key."
-        )
-        headers = {"Retry-After": str(STORE_RETRY_AFTER_S)}
-        return ApiError(503, "store_unavailable", message, headers=headers)
+def store_failure(exc: RedisError, request: Request) -> ApiError:
+    """The 503 for a store failure seen while answering ``request`` (a Redis error, or a
+    submit its replicas did not confirm: ReplicaLag). A full Redis is remembered for
+    GET /health."""
     if isinstance(exc, OutOfMemoryError):
         request.app.state.redis_full_at = time.monotonic()
     return store_error(exc)
@@ -194,10 +192,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RedisError)
     async def store_down(request: Request, exc: RedisError) -> JSONResponse:
-        return _response(store_failure(exc, request), request)
-
-    @app.exception_handler(NotReplicated)
-    async def not_replicated(request: Request, exc: NotReplicated) -> JSONResponse:
         return _response(store_failure(exc, request), request)
 
     @app.exception_handler(ClientDisconnect)

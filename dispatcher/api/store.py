@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from dispatcher.api.coalesce import AsyncScripts
 from dispatcher.api.pool import ClassState
+from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.jobs import (
     PUBLIC_STATUS,
     RECORD_FIELDS,
@@ -25,23 +26,12 @@ from dispatcher.contract.settings import ClassConfig, Settings
 
 __all__ = [
     "CancelResult",
-    "NotReplicated",
     "Submission",
     "SubmitResult",
     "TaskStore",
     "fingerprint",
     "submit_options",
 ]
-
-
-class NotReplicated(Exception):
-    """Fewer than ``min_replica_acks`` replicas confirmed a submit in time (the task may
-    exist on the master, and be lost in a failover): answered 503 store_unavailable."""
-
-    def __init__(self, acks: int, wanted: int) -> None:
-        super().__init__(f"{acks} of {wanted} replicas confirmed the task in time")
-        self.acks = acks
-        self.wanted = wanted
 
 
 @dataclass(frozen=True)
@@ -159,7 +149,8 @@ class TaskStore:
         if wanted > 0:
             reply, acks = await self.scripts.run_acked("submit", opts, data, sub.file_data)
             if acks < wanted:
-                raise NotReplicated(acks, wanted)
+                # The task may exist on the master and be lost in a failover.
+                raise ReplicaLag(f"{acks} of {wanted} replicas confirmed the task in time")
         else:
             reply = await self.scripts.run("submit", opts, data, sub.file_data)
         verdict: SubmitVerdict = script_verdict(reply[0], SubmitVerdict)

@@ -26,7 +26,7 @@ from dispatcher.api.auth import Principal
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.routes.tasks import refusal
-from dispatcher.api.store import NotReplicated, Submission, SubmitResult
+from dispatcher.api.store import Submission, SubmitResult
 from dispatcher.api.submission import limited_body
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, TaskStatus
@@ -162,7 +162,7 @@ async def list_models(request: Request) -> JSONResponse:
         models = await _models(svc)
     except ApiError as exc:
         return _openai_error(exc, request)
-    except (RedisError, NotReplicated) as exc:
+    except RedisError as exc:
         return _openai_error(store_failure(exc, request), request)
     data = [
         {"id": model, "object": "model", "created": 0, "owned_by": "gpulane"}
@@ -292,7 +292,7 @@ async def embeddings(request: Request) -> JSONResponse:
         return await _embeddings(request)
     except ApiError as exc:
         return _openai_error(exc, request)
-    except (RedisError, NotReplicated) as exc:  # the same 503 as every route, OpenAI's body
+    except RedisError as exc:  # the same 503 as every route, OpenAI's body
         return _openai_error(store_failure(exc, request), request)
 
 
