@@ -7,13 +7,14 @@
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota', 'type',
-  'bytes', 'lane')
+  'bytes', 'lane', 'created_ms')
 if not f[1] or (o.any_tenant ~= true and f[2] ~= o.tenant) then return {'not_found'} end
 if FINAL[f[1]] then return {'conflict', f[1]} end
 if f[1] == 'queued' then
-  redis.call('LREM', K.queue(f[3]), 0, o.id)
+  local now = now_ms()
+  unlist(f[3], o.id, f[9], now)
   unlane(f[3], o.id, f[8])
-  finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
+  finalize(o.id, 'canceled', now, o.ttl_s, {'error', cjson.encode({code = 'canceled',
     message = 'Canceled before it started.'})}, quota_of(f[2], f[5]), f[3], f[7])
   return {'canceled', f[3] or '-', f[6] or '-'}
 end

@@ -11,7 +11,7 @@ local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local ik = K.inflight(o.worker, o.class)
 local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'attempts',
-  'origin', 'bytes', 'lane')
+  'origin', 'bytes', 'lane', 'created_ms')
 if not f[1] then
   redis.call('LREM', ik, 0, o.id)
   return {'gone'}
@@ -19,11 +19,11 @@ end
 if superseded(f[1], f[2], f[5], o.worker, o.attempt) then return {fenced('finish')} end
 local removed = redis.call('LREM', ik, 0, o.id)
 if FINAL[f[1]] then return {'duplicate', f[1]} end
+local now = now_ms()
 if removed == 0 then -- handed back, queued again: it leaves the queue and its lane
-  redis.call('LREM', K.queue(o.class), 0, o.id)
+  unlist(o.class, o.id, f[9], now)
   unlane(o.class, o.id, f[8])
 end
-local now = now_ms()
 local extra = {}
 if ARGV[2] ~= '' then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end
 if o.error ~= '' then extra[#extra + 1] = 'error'; extra[#extra + 1] = o.error end
