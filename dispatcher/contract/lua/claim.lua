@@ -153,6 +153,13 @@ local function aged_below(i, now)
   return nil
 end
 
+-- A task as the worker receives it (broker.Claimed), from its FIELDS.
+local function handed(id, c, f, attempts, started_ms)
+  local file = false
+  if f[6] == '1' then file = redis.call('GET', K.file(id)) end
+  return {id, c, f[2], attempts, f[4] or '', f[5] or '', started_ms, file, f[7] or ''}
+end
+
 local function start(p, now)
   take(p, now)
   local id, c, f = p[2], p[1], p[3]
@@ -161,9 +168,7 @@ local function start(p, now)
   redis.call('HSET', K.job(id), 'status', 'started', 'started_at', ts, 'last_heartbeat', ts,
     'started_ms', now, 'worker_name', w, 'attempts', attempts, 'device', o.device)
   notify(id)
-  local file = false
-  if f[6] == '1' then file = redis.call('GET', K.file(id)) end
-  return {id, c, f[2], attempts, f[4] or '', f[5] or '', now, file, f[7] or ''}
+  return handed(id, c, f, attempts, now)
 end
 
 -- A task this worker could take is queued in a class served before position i (its
@@ -227,13 +232,10 @@ if o.redeliver then
   for _, c in ipairs(o.classes) do
     local out = {}
     for _, id in ipairs(redis.call('LRANGE', K.inflight(w, c), 0, -1)) do
-      local f = redis.call('HMGET', K.job(id), 'status', 'data', 'attempts', 'timeout_s',
-        'created_ms', 'has_file', 'worker_name', 'started_ms', 'type')
-      if f[1] == 'started' and f[7] == w then
-        local file = false
-        if f[6] == '1' then file = redis.call('GET', K.file(id)) end
-        out[#out + 1] = {id, c, f[2], tonumber(f[3]), f[4] or '', f[5] or '',
-          tonumber(f[8]), file, f[9] or ''}
+      local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
+      local run = redis.call('HMGET', K.job(id), 'worker_name', 'started_ms')
+      if f[1] == 'started' and run[1] == w then
+        out[#out + 1] = handed(id, c, f, tonumber(f[3]), tonumber(run[2]))
       end
     end
     if #out > 0 then return out end
