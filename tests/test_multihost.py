@@ -155,7 +155,7 @@ def _fenced(r: redis.Redis) -> int:
 
 
 def test_hosts_flow_partition_fencing_and_netem(
-    pool: tuple[Pool, redis.Redis, httpx.Client],
+    pool: tuple[Pool, redis.Redis, httpx.Client], tmp_path: Path
 ) -> None:
     made, r, http = pool
     # Normal flow: submitted on the API host, run on both worker hosts.
@@ -164,8 +164,11 @@ def test_hosts_flow_partition_fencing_and_netem(
     assert clean["workers"] == {b"w1", b"w2"}
 
     # Partition: cut the busy worker host's link for longer than a lease. The task runs
-    # to its end on the cut-off host meanwhile; its report waits for the link.
-    task = http.post("/tasks", json={"type": "sleep", "args": {"seconds": 2}}).json()["id"]
+    # to its end on the cut-off host meanwhile (each run appends a line to `ends`); its
+    # report waits for the link.
+    ends = tmp_path / "ends"
+    args = {"path": str(ends), "tag": "ended", "seconds": 2}
+    task = http.post("/tasks", json={"type": "test.record", "args": args}).json()["id"]
     busy = wait_for(lambda: r.hget(keys.job(task), "worker_name"), 10, what="a start").decode()
     other = "w2" if busy == "w1" else "w1"
     fenced_before = _fenced(r)
@@ -177,7 +180,9 @@ def test_hosts_flow_partition_fencing_and_netem(
         rerun_s = time.monotonic() - cut_at
         record = r.hgetall(keys.job(task))
         assert record[b"attempts"] == b"2"
-        time.sleep(max(0.0, 6.0 - (time.monotonic() - cut_at)))  # the stale run ends, cut off
+        wait_for(  # both runs ended, the stale one while cut off
+            lambda: ends.exists() and len(ends.read_text().split()) == 2, 15, what="two runs"
+        )
     finally:
         made.hosts.heal(busy)
     wait_for(lambda: _fenced(r) > fenced_before, 30, what="the stale report to be fenced")

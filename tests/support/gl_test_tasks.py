@@ -133,12 +133,15 @@ def torch_stats(args: BaseModel, ctx: TaskContext) -> dict[str, Any]:
 class RecordArgs(BaseModel):
     path: str
     tag: str
+    seconds: float = Field(0.0, ge=0, le=60)
 
 
 @task("test.record")
 def record(args: RecordArgs, ctx: TaskContext) -> None:
-    """Append ``tag`` to the file at ``path``: the order tasks really ran in, which
-    tests assert instead of comparing clock readings (milliseconds tie)."""
+    """After ``seconds``, append ``tag`` to the file at ``path``: the order tasks really
+    ran in (or ended: one line per run), which tests assert instead of comparing clock
+    readings (milliseconds tie)."""
+    time.sleep(args.seconds)
     with open(args.path, "a") as log:
         log.write(args.tag + "\n")
 
