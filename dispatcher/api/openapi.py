@@ -59,8 +59,10 @@ def _json_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
 
 
 def _file_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
-    # `args` (a JSON object as text) and `timeout_s` parts are accepted too; they are
-    # left out here because a schema cannot say "text holding JSON valid against X".
+    # `args` (a JSON object as text), `timeout_s` and `gpu_memory_mb` parts are accepted
+    # too (docs/design.md §3); they are left out here because a schema cannot say "text
+    # holding JSON valid against X" or "digits for a number up to max_gpu_memory_mb",
+    # and a looser one would call requests valid that the API refuses.
     default = info.name == settings.default_file_task  # the type of a file sent alone
     return {
         "type": "object",
@@ -70,12 +72,6 @@ def _file_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
             "file": {"type": "string", "format": "binary", "minLength": 1},
             "type": {"const": info.name, "description": info.description},
             "class": {"enum": settings.class_names, "default": settings.default_class},
-            "gpu_memory_mb": {
-                "type": "string",
-                "pattern": "^[0-9]{1,12}$",
-                "description": f"GPU memory the task needs, MB (at most "
-                f"{settings.max_gpu_memory_mb}); absent: the type's declaration.",
-            },
         },
     }
 

@@ -203,6 +203,8 @@ def _gpu_memory(fields: dict[str, Any], declared: int, max_mb: int) -> int:
         if declared > max_mb:  # a type declaring more than any card has
             raise _invalid(f"The type declares {declared} MB of GPU memory; no card has it.")
         return declared
+    if isinstance(value, float) and value.is_integer():  # 1200.0 is 1200 (JSON Schema too)
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_mb:
         raise _invalid(
             f"'gpu_memory_mb' must be a whole number of MB from 0 to {max_mb} (max_gpu_memory_mb)."
