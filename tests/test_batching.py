@@ -124,6 +124,25 @@ def test_timeout_fails_only_the_items_past_their_own(
     assert _lines(log) == [["0", "1"], ["1"]]  # the other item ran again, alone
 
 
+def test_cancel_of_an_item_that_already_timed_out_leaves_the_next_call_alone(
+    known_types: None, http: httpx.Client, start_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    """An item's outcome is reported when the whole batch ends, so a client can still
+    cancel it after it timed out: that cancel is for no item of the call now running."""
+    log = tmp_path / "calls"
+    short = submit(http, ECHO, {"value": 0, "path": str(log), "seconds": 1.5}, timeout_s=0.3)
+    ids = [short["id"], _echo(http, 1, log, seconds=1.5)]
+    start_worker()
+    wait_for(
+        lambda: log.exists() and len(_lines(log)) == 2 or None, 15, what="the second call"
+    )
+    assert http.delete(f"/tasks/{ids[0]}").status_code == 202  # still running to the API
+    records = _finals(http, ids)
+    assert [r["status"] for r in records] == ["failed", "succeeded"]
+    assert records[0]["error"]["code"] == "timeout"
+    assert _lines(log) == [["0", "1"], ["1"]]  # the second call ran to its end, once
+
+
 def test_interactive_batches_before_batch_class_items(
     known_types: None, http: httpx.Client, start_worker: WorkerFactory, tmp_path: Path
 ) -> None:

@@ -119,7 +119,6 @@ class BatchRunner:
         return item
 
     def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
-        self.runner.start_batch([i.ctx for i in pending if i.ctx is not None])
         while pending:
             for item in pending:
                 if item.ctx is not None and item.ctx.cancelled():
@@ -135,6 +134,9 @@ class BatchRunner:
         """One handler call; True when every item has its outcome, False to call again
         with the items still pending."""
         ctxs = [i.ctx for i in pending if i.ctx is not None]
+        # Only this call's items: a cancel for an item that already has its outcome (a
+        # timeout of an earlier call) must not interrupt a call it is not part of.
+        self.runner.start_batch(ctxs)
         lead = ctxs[0]
         self.runner.current = lead  # the run the interrupts (and the watchdog) follow
         now = time.monotonic()

@@ -220,7 +220,8 @@ class Runner:
             self.interrupts.request(TaskCanceled, current)  # a batch's call reruns the rest
 
     def start_batch(self, runs: list[RunningTask]) -> None:
-        """Make ``runs`` the running batch; cancels that came early mark their items."""
+        """Make ``runs`` the items of the batch call about to start (each call of a
+        batch names its own); cancels that came early mark their items."""
         with self._lock:
             self.batch = runs
             for run in runs:
