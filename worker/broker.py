@@ -7,6 +7,7 @@ errors propagate: the loops that call these methods decide how to wait and retry
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent, rq_worker_view
 
-__all__ = ["Beat", "Broker", "Claimed", "Lease"]
+__all__ = ["Beat", "Broker", "Claimed", "Finished", "Lease", "Report"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,27 @@ class Claimed:
     started_ms: int
     file: bytes | None
     task_type: str = ""  # the job hash's ``type`` (the call data says it again)
+
+
+@dataclass(frozen=True)
+class Report:
+    """An outcome for finish.lua: ``status`` is RQ's (finished, failed, canceled), with
+    the result's JSON or the error, and the run's last progress."""
+
+    claimed: Claimed
+    status: str
+    result_json: str = ""
+    error: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
+
+
+# finish.lua's answer: ('ok', the Redis time it ended at) or (why not, None).
+Finished = tuple[FinishVerdict, int | None]
+
+
+def _finished(reply: list[Any]) -> Finished:
+    verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
+    return verdict, int(reply[1]) if verdict == "ok" else None
 
 
 @dataclass(frozen=True)
@@ -205,22 +227,43 @@ class Broker:
         result_json: str = "",
         error: dict[str, Any] | None = None,
         progress: dict[str, Any] | None = None,
-    ) -> tuple[FinishVerdict, int | None]:
+    ) -> Finished:
         """Record the outcome; returns ('ok', ended_ms), or ('duplicate' | 'gone' |
         'fenced', None)."""
-        opts = options(
+        reply = self.finish_many([Report(task, status, result_json, error, progress)])[0]
+        if isinstance(reply, RedisError):
+            raise reply
+        return reply
+
+    def finish_many(self, reports: Sequence[Report]) -> list[Finished | RedisError]:
+        """Record several outcomes (a batch's) in one round trip, each atomic on its own:
+        a report Redis refused is its exception in the list. With ``min_replica_acks``
+        one WAIT covers them all, and too few acks raise :class:`ReplicaLag` for the
+        whole set (retried whole: finish.lua answers 'duplicate' to an outcome it
+        already holds)."""
+        calls = [("finish", (self._finish_options(r), r.result_json)) for r in reports]
+        if self._acks == 0:
+            replies = self._scripts.run_many(calls)
+        else:
+            *replies, acks = self._scripts.run_many(calls, (self._acks, self._ack_timeout_ms))
+            if isinstance(acks, RedisError):
+                raise acks
+            if int(acks) < self._acks:
+                raise ReplicaLag(f"finish: {acks} of {self._acks} replicas confirmed it in time")
+        return [reply if isinstance(reply, RedisError) else _finished(reply) for reply in replies]
+
+    def _finish_options(self, report: Report) -> str:
+        task = report.claimed
+        return options(
             id=task.task_id,
             worker=self.name,
             **{"class": task.cls},
             attempt=task.attempt,
-            status=status,
-            error=json.dumps(error) if error else "",
-            progress=json.dumps(progress) if progress else "",
+            status=report.status,
+            error=json.dumps(report.error) if report.error else "",
+            progress=json.dumps(report.progress) if report.progress else "",
             ttl_s=self.settings.result_ttl_s,
         )
-        reply = self._run_acked("finish", opts, result_json)
-        verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
-        return verdict, int(reply[1]) if verdict == "ok" else None
 
     def release(
         self, task: Claimed, at_head: bool = True, fault: dict[str, Any] | None = None
@@ -293,9 +336,9 @@ class Broker:
             floats=drained.floats,
             runs=drained.runs,
         )
-        calls = [("reap", reap_options(self.settings)), ("heartbeat", beat)]
+        calls = [("reap", [reap_options(self.settings)]), ("heartbeat", [beat])]
         if gpu_slot is not None:
-            calls.append(("gpu_lease", self._gpu_options("renew", [gpu_slot])))
+            calls.append(("gpu_lease", [self._gpu_options("renew", [gpu_slot])]))
         reap, heartbeat, *gpu = self._scripts.run_many(calls)
         return Beat(
             reaped=reap if isinstance(reap, RedisError) else parse_reaped(reap),

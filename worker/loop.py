@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
+from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.connect import refused
@@ -21,10 +21,10 @@ from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.batching import BatchRunner, batch_policies
 from worker.broker import Broker, Claimed
-from worker.execute import Outcome, Runner, RunningTask
+from worker.execute import Outcome, Runner
 from worker.gpu.budget import GpuBudget
-from worker.handback import hand_back
 from worker.memory import rss_bytes
+from worker.report import REFUSED_FOR_NOW, Concluded, Reporter, wait_out, why_refused
 from worker.state import WorkerState
 
 __all__ = ["WorkerLoop"]
@@ -33,14 +33,6 @@ log = logging.getLogger("gpulane.worker")
 
 PARK_POLL_S = 1.0  # how often a parked worker looks up to check for a stop request
 RECHECK_S = 5.0  # a parked worker looks at the queues anyway this often (lost doorbells)
-# Redis refused a write whole (script flags) and will take it later: not a script bug.
-_REFUSED_FOR_NOW = (OutOfMemoryError, ReadOnlyError)
-
-
-def _why(exc: RedisError) -> str:
-    if isinstance(exc, OutOfMemoryError):
-        return "redis is full (maxmemory)"
-    return "redis is read-only (a replica?)"
 
 
 class WorkerLoop:
@@ -59,6 +51,7 @@ class WorkerLoop:
         self.recorder = recorder
         self.settings = settings
         self._backoff = Backoff()
+        self.reporter = Reporter(broker, recorder, state, settings, self._backoff)
         self.batches = batch_policies(runner.registry, settings)
         self._batch_sizes = {t: b.max_size for t, b in self.batches.items() if b.max_size > 1}
         self._batch_runner = BatchRunner(runner)
@@ -77,10 +70,10 @@ class WorkerLoop:
                     self._batch_sizes,
                     self.gpu.available_mb(),
                 )
-            except _REFUSED_FOR_NOW as exc:
+            except REFUSED_FOR_NOW as exc:
                 # Refused whole before it ran (script flags): nothing moved. Wait for
                 # room, saying why in GET /workers; the heartbeat keeps the lease.
-                self.state.set("idle", f"{_why(exc)}; takes no task until it can write")
+                self.state.set("idle", f"{why_refused(exc)}; takes no task until it can write")
                 self._wait_out(exc)
                 continue
             except RedisError as exc:
@@ -141,10 +134,11 @@ class WorkerLoop:
         )
         self.recorder.observe("batch_size", len(claims), task_type)
         items = self._batch_runner.run(claims)
-        # Reversed: tasks handed back at the head of their queue keep their order.
-        for item in reversed(items):
+        runs = []
+        for item in items:
             assert item.outcome is not None
-            self._conclude(item.claimed, item.outcome, item.ctx)
+            runs.append(Concluded(item.claimed, item.outcome, item.ctx))
+        self._conclude(runs)
 
     def _unpark(self) -> None:
         try:
@@ -163,49 +157,54 @@ class WorkerLoop:
                 return
 
     def _wait_out(self, exc: RedisError) -> None:
-        delay = self._backoff.next()
-        if self._backoff.failures == 1:
-            log.warning("redis unavailable, retrying: %s", exc, extra={"worker": self.broker.name})
-        time.sleep(delay)
+        wait_out(self._backoff, exc, self.broker.name)
 
     def _execute(self, claimed: Claimed) -> None:
         self.state.set("busy")
         extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
         log.info("task started", extra={**extra, "attempt": claimed.attempt})
         outcome, ctx = self.runner.run(claimed)
-        self._conclude(claimed, outcome, ctx)
+        self._conclude([Concluded(claimed, outcome, ctx)])
 
-    def _conclude(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> None:
-        """Report one task's outcome, log and count it."""
-        extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
-        task_type = ctx.task_type if ctx else "-"
+    def _conclude(self, runs: list[Concluded]) -> None:
+        """Report the outcomes (a batch's in one round trip), log and count each."""
+        for run in runs:
+            self._check_lost(run.outcome)  # before the report
+        ended = self.reporter.report(runs)
+        for run, ended_ms in zip(runs, ended, strict=True):
+            claimed, outcome = run.claimed, run.outcome
+            task_type = run.ctx.task_type if run.ctx else "-"
+            status = PUBLIC_STATUS.get(outcome.status, outcome.status)
+            run_s = ((ended_ms or claimed.started_ms) - claimed.started_ms) / 1000
+            log.info(
+                "task %s",
+                status,
+                extra={
+                    "worker": self.broker.name,
+                    "task": claimed.task_id,
+                    "class": claimed.cls,
+                    "type": task_type,
+                    "elapsed_s": round(run_s, 3),
+                    **({"error": outcome.error["code"]} if outcome.error else {}),
+                },
+            )
+            if ended_ms is not None:
+                self._record(claimed, task_type, status, ended_ms)
+        self._check_memory()
+
+    def _check_lost(self, outcome: Outcome) -> None:
+        """A GPU fault takes the worker out of service before the report: no task may be
+        claimed on a broken CUDA context."""
         if (
             outcome.status == "lost"
             and outcome.error
             and self.state.mark_unhealthy(outcome.error["message"])
         ):
-            # Before the report: no task may be claimed on a broken CUDA context.
             log.error(
                 "worker unhealthy: %s; it takes no more tasks and exits to be restarted",
                 outcome.error["message"],
                 extra={"worker": self.broker.name},
             )
-        ended_ms = self._report(claimed, outcome, ctx)
-        status = PUBLIC_STATUS.get(outcome.status, outcome.status)
-        run_s = ((ended_ms or claimed.started_ms) - claimed.started_ms) / 1000
-        log.info(
-            "task %s",
-            status,
-            extra={
-                **extra,
-                "type": task_type,
-                "elapsed_s": round(run_s, 3),
-                **({"error": outcome.error["code"]} if outcome.error else {}),
-            },
-        )
-        if ended_ms is not None:
-            self._record(claimed, task_type, status, ended_ms)
-        self._check_memory()
 
     def _check_memory(self) -> None:
         """Past max_worker_rss_mb after a task (already reported): exit to be restarted,
@@ -222,84 +221,6 @@ class WorkerLoop:
     @property
     def _who(self) -> dict[str, str]:
         return {"worker": self.broker.name}
-
-    def _report(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> int | None:
-        """Hand the outcome to Redis, waiting out an outage: a finished task is never
-        dropped. Returns the Redis time it ended at, or None when not recorded here."""
-        if outcome.status == "abandon":
-            log.warning(
-                "task abandoned: its lease was lost; not reported",
-                extra={"worker": self.broker.name, "task": claimed.task_id},
-            )
-            return None
-        while True:
-            try:
-                if outcome.status in ("release", "retry", "lost"):
-                    self._hand_back(claimed, outcome, ctx)
-                    return None
-                verdict, ended_ms = self.broker.finish(
-                    claimed,
-                    outcome.status,
-                    outcome.result_json,
-                    outcome.error,
-                    ctx.latest_progress if ctx else None,
-                )
-            except _REFUSED_FOR_NOW as exc:
-                # Redis full or read-only: the report was refused whole; keep the
-                # outcome and retry (the heartbeat keeps the lease meanwhile).
-                self.state.set("busy", f"{_why(exc)}; holding a task's outcome")
-                if self._abandon(exc):  # stopping past the grace: the lease hands it on
-                    return None
-                continue
-            except RedisError as exc:
-                if refused(exc):
-                    # A script error, not an outage: retrying would never end. Leave; the
-                    # lease hands the task to another worker, within its attempt budget.
-                    log.exception("redis refused the report", extra={"task": claimed.task_id})
-                    self.state.mark_unhealthy("redis refused a task report (a script error)")
-                    return None
-                if self._abandon(exc):
-                    return None
-                continue
-            self._backoff.reset()
-            if verdict != "ok":
-                log.info(
-                    "outcome already recorded elsewhere (%s)",
-                    verdict,
-                    extra={"task": claimed.task_id},
-                )
-            return ended_ms
-
-    def _hand_back(self, claimed: Claimed, outcome: Outcome, ctx: RunningTask | None) -> None:
-        """Give the task back: at the head (shutdown), at the tail (a retry), or after a
-        GPU fault as a lost attempt (it may be the task's doing, so it must not get more
-        tries than a task that kills its worker)."""
-        task_type = ctx.task_type if ctx else "-"
-        if outcome.status == "lost":
-            why = "task handed back after a GPU fault"
-            hand_back(
-                self.broker,
-                self.recorder,
-                claimed,
-                task_type,
-                at_head=True,
-                fault=outcome.error,
-                why=why,
-            )
-        else:
-            why = f"task given back ({outcome.status})"
-            at_head = outcome.status == "release"
-            hand_back(self.broker, self.recorder, claimed, task_type, at_head=at_head, why=why)
-
-    def _abandon(self, exc: RedisError) -> bool:
-        """Wait before retrying a report; give up only when stopping past the grace
-        period (the lease then gives the task to another worker: at-least-once)."""
-        stop_at = self.state.stop_requested_at
-        if stop_at is not None and time.monotonic() - stop_at > self.settings.shutdown_grace_s:
-            log.error("redis still down at shutdown; the task will run again elsewhere")
-            return True
-        self._wait_out(exc)
-        return False
 
     def _record(self, claimed: Claimed, task_type: str, status: str, ended_ms: int) -> None:
         self.state.ended(status == "succeeded")

@@ -20,6 +20,7 @@ dead ones or lock every tenant out of the read routes.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -134,13 +135,22 @@ class SyncScripts:
     def run(self, name: str, opts: str, *payload: bytes | str) -> Any:
         return self._bound[name](keys=[], args=[opts, *payload])
 
-    def run_many(self, calls: list[tuple[str, str]]) -> list[Any]:
-        """Several scripts (name, options) in one round trip, in order, each atomic on its
-        own. A script Redis refused (full, read-only, an error) is its exception in the
-        list, the others' replies unaffected; a lost connection raises."""
+    def run_many(
+        self,
+        calls: Sequence[tuple[str, Sequence[bytes | str]]],
+        wait: tuple[int, int] | None = None,
+    ) -> list[Any]:
+        """Several scripts (name, ARGV: options first, then payloads) in one round trip,
+        in order, each atomic on its own. A script Redis refused (full, read-only, an
+        error) is its exception in the list, the others' replies unaffected; a lost
+        connection raises. With ``wait`` = (replicas, timeout ms) a ``WAIT`` ends the
+        round trip, and its reply (how many replicas hold every write before it) ends
+        the list."""
         pipe = self.client.pipeline(transaction=False)
-        for name, opts in calls:
-            self._bound[name](keys=[], args=[opts], client=pipe)
+        for name, argv in calls:
+            self._bound[name](keys=[], args=list(argv), client=pipe)
+        if wait is not None:
+            pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
         replies: list[Any] = pipe.execute(raise_on_error=False)
         return replies
 
@@ -149,8 +159,8 @@ class SyncScripts:
     ) -> tuple[Any, int]:
         """Run a script and WAIT on the same connection, in one round trip: (reply,
         replicas that hold its writes)."""
-        pipe = self.client.pipeline(transaction=False)
-        self._bound[name](keys=[], args=[opts, *payload], client=pipe)
-        pipe.execute_command("WAIT", replicas, timeout_ms)  # type: ignore[no-untyped-call]
-        reply, acks = pipe.execute()
+        reply, acks = self.run_many([(name, (opts, *payload))], (replicas, timeout_ms))
+        for answer in (reply, acks):
+            if isinstance(answer, Exception):
+                raise answer
         return reply, int(acks)

@@ -1,0 +1,136 @@
+"""The worker's reporter in-process against the real Redis fixture: a batch's outcomes
+go to Redis in one round trip, a report Redis refuses for now (full) is held and
+retried until it lands, and one refused for good (a script error) does not stop the
+others of its batch from being recorded."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from conftest import make_settings
+from redis.client import Pipeline
+
+from dispatcher.api.store import Submission, submit_options
+from dispatcher.contract import keys
+from dispatcher.contract.backoff import Backoff
+from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.metrics import Recorder
+from dispatcher.contract.scripts import SyncScripts
+from dispatcher.contract.settings import Settings
+from testkit import wait_for
+from worker.broker import Broker, Claimed
+from worker.execute import Outcome
+from worker.report import Concluded, Reporter
+from worker.state import WorkerState
+
+NAME = "report-worker"
+TYPE = "test.batch_echo"  # batched (max size 4): one claim takes the batch
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return make_settings(redis_url)
+
+
+@pytest.fixture
+def state(settings: Settings) -> WorkerState:
+    return WorkerState(NAME, None, settings.class_names, [TYPE])
+
+
+@pytest.fixture
+def broker(r: redis.Redis, settings: Settings, state: WorkerState) -> Iterator[Broker]:
+    broker = Broker(r, settings, NAME, settings.class_names)
+    assert broker.register(state.info(), {}) is not None
+    yield broker
+
+
+@pytest.fixture
+def reporter(broker: Broker, state: WorkerState, settings: Settings) -> Reporter:
+    return Reporter(broker, Recorder(), state, settings, Backoff(initial_s=0.01, cap_s=0.05))
+
+
+def _batch(r: redis.Redis, settings: Settings, broker: Broker, n: int) -> list[Claimed]:
+    """``n`` tasks of the batched type, submitted and claimed as one batch."""
+    scripts = SyncScripts(r)
+    for i in range(n):
+        sub = Submission(TYPE, "batch", {"value": i}, timeout_s=60, tenant="t")
+        opts = submit_options(sub, settings.classes["batch"], 1, 1.0, settings)
+        scripts.run("submit", opts, encode_call(TYPE, {"value": i}), "")
+    claims = broker.claim(False, "{}", batch={TYPE: n})
+    assert len(claims) == n
+    return claims
+
+
+def _runs(claims: list[Claimed]) -> list[Concluded]:
+    return [
+        Concluded(c, Outcome("finished", result_json=f'{{"value":{k}}}'), None)
+        for k, c in enumerate(claims)
+    ]
+
+
+def _status(r: redis.Redis, claimed: Claimed) -> str | None:
+    value = r.hget(keys.job(claimed.task_id), "status")
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every pipeline sent (one entry per round trip)."""
+    sent: list[int] = []
+    execute = Pipeline.execute
+
+    def counted(self: Pipeline, raise_on_error: bool = True) -> Any:
+        sent.append(len(self.command_stack))
+        return execute(self, raise_on_error)
+
+    monkeypatch.setattr(Pipeline, "execute", counted)
+    return sent
+
+
+def test_a_batch_is_reported_in_one_round_trip(
+    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[int]
+) -> None:
+    claims = _batch(r, settings, broker, 4)
+    round_trips.clear()
+    ended = reporter.report(_runs(claims))
+    assert round_trips == [4]  # four finish.lua calls, one pipeline
+    assert all(ms is not None for ms in ended)
+    assert [_status(r, c) for c in claims] == ["finished"] * 4
+    assert r.llen(keys.inflight(NAME, "batch")) == 0
+
+
+def test_a_full_redis_holds_the_reports_until_it_has_room(
+    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, state: WorkerState
+) -> None:
+    claims = _batch(r, settings, broker, 3)
+    before = str(r.config_get("maxmemory")["maxmemory"])
+    r.config_set("maxmemory", 1)  # every write script is refused whole (OOM)
+    try:
+        ended: list[list[int | None]] = []
+        thread = threading.Thread(target=lambda: ended.append(reporter.report(_runs(claims))))
+        thread.start()
+        wait_for(lambda: "redis is full" in state.reason or None, 10, what="the held reports")
+        assert [_status(r, c) for c in claims] == ["started"] * 3
+    finally:
+        r.config_set("maxmemory", before)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [_status(r, c) for c in claims] == ["finished"] * 3
+    assert all(ms is not None for ms in ended[0])
+
+
+def test_a_report_refused_for_good_leaves_the_others_recorded(
+    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, state: WorkerState
+) -> None:
+    claims = _batch(r, settings, broker, 3)
+    broken = claims[1]
+    r.delete(keys.job(broken.task_id))
+    r.set(keys.job(broken.task_id), "not a hash")  # finish.lua fails on it: WRONGTYPE
+    ended = reporter.report(_runs(claims))
+    assert ended[1] is None and ended[0] is not None and ended[2] is not None
+    assert [_status(r, c) for c in (claims[0], claims[2])] == ["finished"] * 2
+    assert state.unhealthy  # a script error: the worker leaves to be restarted
