@@ -59,6 +59,20 @@ def make_settings(redis_url: str, **overrides: Any) -> Settings:
     return Settings(redis_url=redis_url, **{**FAST, "catalog_on_start": False, **overrides})
 
 
+MAXMEMORY = 512 * 1024 * 1024
+
+
+@pytest.fixture
+def maxmemory(r: redis.Redis) -> Iterator[int]:
+    """The test Redis with a maxmemory (noeviction, as always), as deploy/k8s runs it:
+    the memory series and alerts read it. Restored after the test, since the server is
+    shared by the session. Yields the limit."""
+    before = str(r.config_get("maxmemory")["maxmemory"])
+    r.config_set("maxmemory", MAXMEMORY)
+    yield MAXMEMORY
+    r.config_set("maxmemory", before)
+
+
 @pytest.fixture
 def known_types(r: redis.Redis) -> None:
     """The built-in and test task types known with no worker running. Request it

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +117,6 @@ def test_the_rule_tests_fail_without_the_alert(alert: str, tmp_path: Path) -> No
 
 
 # --- the series the rules read, from a real API -----------------------------------------
-
-
-@pytest.fixture
-def maxmemory(r: redis.Redis) -> Iterator[int]:
-    """The test Redis with a maxmemory for the test (noeviction, as always)."""
-    before = str(r.config_get("maxmemory")["maxmemory"])
-    r.config_set("maxmemory", 512 * 1024 * 1024)
-    yield 512 * 1024 * 1024
-    r.config_set("maxmemory", before)
 
 
 def test_redis_and_class_worker_gauges(

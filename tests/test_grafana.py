@@ -158,17 +158,8 @@ class Prometheus:
 
 
 @pytest.fixture
-def maxmemory(r: redis.Redis) -> Iterator[None]:
-    """The test Redis with a maxmemory, as deploy/k8s runs it (noeviction as always)."""
-    before = str(r.config_get("maxmemory")["maxmemory"])
-    r.config_set("maxmemory", 512 * 1024 * 1024)
-    yield
-    r.config_set("maxmemory", before)
-
-
-@pytest.fixture
 def prometheus(
-    tmp_path: Path, redis_url: str, known_types: None, maxmemory: None
+    tmp_path: Path, redis_url: str, known_types: None, maxmemory: int
 ) -> Iterator[tuple[Prometheus, httpx.Client]]:
     api = ApiServer(make_settings(redis_url)).start()
     server = Prometheus(tmp_path, f"127.0.0.1:{api.url.rsplit(':', 1)[1]}")
