@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import redis
 import yaml
 from conftest import WorkerFactory, make_settings
 from support.catalog import tenant
-from support.observe import promtool_check, scrape
+from support.observe import promtool, promtool_check, scrape
 
 from dispatcher.contract.settings import Settings
 from testkit import ApiServer, free_port, wait_for
@@ -25,14 +24,6 @@ from testkit import ApiServer, free_port, wait_for
 PROMETHEUS = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
 RULES = PROMETHEUS / "gpulane.rules.yml"
 TESTS = PROMETHEUS / "tests.yml"
-
-
-def promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("promtool")
-    assert binary, "promtool is not installed (make test installs it)"
-    return subprocess.run(
-        [binary, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 def _rules() -> list[dict[str, Any]]:
@@ -45,13 +36,13 @@ def _alerts() -> dict[str, dict[str, Any]]:
 
 
 def test_rules_pass_promtool_check() -> None:
-    result = promtool("check", "rules", RULES.name)
+    result = promtool("check", "rules", RULES.name, cwd=PROMETHEUS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
 
 def test_rule_unit_tests_pass() -> None:
-    result = promtool("test", "rules", TESTS.name)
+    result = promtool("test", "rules", TESTS.name, cwd=PROMETHEUS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
