@@ -41,6 +41,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 @pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own (AOF, fsync always), for the tests that kill,
+    restart or fill it: the session's server is shared and must stay up and empty."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     redis_server.client().flushall()
     return redis_server.url
