@@ -25,6 +25,7 @@ from testkit import (
     ApiServer,
     RedisServer,
     WorkerProcess,
+    publish_catalog,
     wait_for,
     worker_env,
 )
@@ -87,6 +88,13 @@ def known_types(r: redis.Redis) -> None:
     """The built-in and test task types known with no worker running. Request it
     before `api`/`http`, which read the catalog at start."""
     publish_builtin_catalog(r)
+
+
+@pytest.fixture
+def known_embed(r: redis.Redis) -> None:
+    """The embed type (the real model's task) in the catalog with no worker running, as
+    a fresh deployment that configures it publishes it. Request it before `api`/`http`."""
+    publish_catalog(r, "worker.tasks.embed")
 
 
 @pytest.fixture
