@@ -14,6 +14,7 @@ from testkit.procs import (
     free_port,
     publish_catalog,
     redis_argv,
+    run_cli,
     wait_for,
     worker_env,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "free_port",
     "publish_catalog",
     "redis_argv",
+    "run_cli",
     "wait_for",
     "worker_env",
 ]

@@ -1,6 +1,7 @@
 """Real processes for tests and benchmarks: redis-server on a free loopback port, the API
 in a thread, worker processes started with the `gpulane worker` command, and the
-helpers around them (free ports, waiting on a condition with a deadline)."""
+helpers around them (free ports, the `gpulane` command line, waiting on a condition
+with a deadline)."""
 
 from __future__ import annotations
 
@@ -209,6 +210,23 @@ def worker_env(redis_url: str, **settings: Any) -> dict[str, str]:
 
 # The `gpulane` command as a subprocess argv (the console script may not be on PATH).
 CLI = [sys.executable, "-m", "dispatcher.ops.cli"]
+
+
+def run_cli(
+    *args: str, env: dict[str, str], timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``gpulane ARGS`` run to its end from the repository, its output captured as text:
+    a command as a person types it, its exit code and output to check (never raises on
+    a failing exit; a hang past ``timeout_s`` fails the test)."""
+    return subprocess.run(
+        [*CLI, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 class WorkerProcess:
