@@ -26,6 +26,7 @@ from testkit import (
     ApiServer,
     fake_gpu_env,
     free_port,
+    http_ok,
     wait_for,
 )
 
@@ -141,10 +142,7 @@ class Prometheus:
 
     def ready(self) -> bool:
         assert self.process.poll() is None, self.log.read_text()
-        try:
-            return self.http.get("/-/ready").status_code == 200
-        except httpx.TransportError:
-            return False
+        return http_ok("/-/ready", self.http)
 
     def query(self, expr: str) -> dict[str, Any]:
         data: dict[str, Any] = self.http.get("/api/v1/query", params={"query": expr}).json()
