@@ -27,7 +27,7 @@ import redis
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import ClassConfig
-from testkit import CLI, free_port, redis_argv, wait_for
+from testkit import CLI, free_port, http_ok, redis_argv, wait_for, wait_redis
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_TASKS = "bench.gl_tasks"  # gpulane task module loaded by the bench workers
@@ -127,8 +127,7 @@ class Stack:
             raise RuntimeError("redis-server is not installed (scripts/ensure-redis.sh)")
         argv = redis_argv(binary, self.port, self.logdir, **self._redis_args)
         self.procs.append(Proc("redis", argv, dict(os.environ), self.logdir))
-        client = self.client()
-        wait_for(lambda: _pings(client), 10, "redis-server")
+        wait_redis(self.client(), "redis-server")
 
     # -- processes ---------------------------------------------------------------
     def env(self, **settings: Any) -> dict[str, str]:
@@ -213,22 +212,10 @@ class Stack:
         return proc, url
 
 
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
 def _http_ok(proc: Proc, url: str) -> bool:
-    import httpx
-
     if not proc.alive():
         raise RuntimeError(f"the API exited:\n{proc.tail()}")
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return http_ok(url)
 
 
 def rss_mb(pid: int) -> dict[str, float]:

@@ -8,15 +8,15 @@ from testkit.procs import (
     TEST_TASKS,
     ApiServer,
     RedisServer,
-    WaitTimeout,
     WorkerProcess,
     fake_gpu_env,
     free_port,
     publish_catalog,
     redis_argv,
-    wait_for,
+    run_cli,
     worker_env,
 )
+from testkit.waiting import WaitTimeout, http_ok, redis_answers, wait_for, wait_redis
 
 __all__ = [
     "CLI",
@@ -29,8 +29,12 @@ __all__ = [
     "WorkerProcess",
     "fake_gpu_env",
     "free_port",
+    "http_ok",
     "publish_catalog",
+    "redis_answers",
     "redis_argv",
+    "run_cli",
     "wait_for",
+    "wait_redis",
     "worker_env",
 ]

@@ -1,6 +1,7 @@
 """Real processes for tests and benchmarks: redis-server on a free loopback port, the API
 in a thread, worker processes started with the `gpulane worker` command, and the
-helpers around them (free ports, waiting on a condition with a deadline)."""
+helpers around them (free ports, the `gpulane` command line); waiting on a condition
+is testkit.waiting's."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,38 +22,16 @@ import uvicorn
 from dispatcher.api.app import create_app
 from dispatcher.api.guard import server_options
 from dispatcher.contract.settings import Settings
+from testkit.waiting import wait_for, wait_redis
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_TASKS = "gl_test_tasks"  # tests/support/gl_test_tasks.py, loaded by workers
-
-
-class WaitTimeout(AssertionError):
-    """A condition did not come true in time (an AssertionError, so pytest reports it
-    as a failed expectation)."""
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for(
-    check: Callable[[], Any],
-    timeout_s: float = 10.0,
-    what: str = "condition",
-    *,
-    interval_s: float = 0.02,
-) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise WaitTimeout(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
 
 
 def redis_argv(binary: str, port: int, directory: Path, **overrides: str) -> list[str]:
@@ -121,15 +98,7 @@ class RedisServer:
             binary, self.port, self.directory, **{"appendfsync": "always", **self.overrides}
         )
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = self.client()
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
-        wait_for(up, 10, what=f"redis-server on port {self.port}")
+        wait_redis(self.client(), what=f"redis-server on port {self.port}")
         return self
 
     def kill(self) -> None:
@@ -209,6 +178,23 @@ def worker_env(redis_url: str, **settings: Any) -> dict[str, str]:
 
 # The `gpulane` command as a subprocess argv (the console script may not be on PATH).
 CLI = [sys.executable, "-m", "dispatcher.ops.cli"]
+
+
+def run_cli(
+    *args: str, env: dict[str, str], timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``gpulane ARGS`` run to its end from the repository, its output captured as text:
+    a command as a person types it, its exit code and output to check (never raises on
+    a failing exit; a hang past ``timeout_s`` fails the test)."""
+    return subprocess.run(
+        [*CLI, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 class WorkerProcess:

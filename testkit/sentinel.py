@@ -10,7 +10,8 @@ from typing import Any
 
 import redis
 
-from testkit.procs import free_port, wait_for
+from testkit.procs import free_port
+from testkit.waiting import wait_redis
 
 __all__ = ["SentinelServer"]
 
@@ -56,14 +57,8 @@ class SentinelServer:
         conf.write_text("\n".join(self.lines) + "\n")
         log = (self.directory / "sentinel.log").open("wb")
         self.process = subprocess.Popen([binary, str(conf)], stdout=log, stderr=subprocess.STDOUT)
-        wait_for(self._answers, 10, what=f"redis-sentinel on port {self.port}")
+        wait_redis(self.client(), what=f"redis-sentinel on port {self.port}")
         return self
-
-    def _answers(self) -> bool:
-        try:
-            return bool(self.client().ping())
-        except redis.RedisError:
-            return False
 
     def state(self) -> dict[str, Any]:
         """SENTINEL MASTER <name>: what this sentinel knows (num-slaves, ...)."""

@@ -25,6 +25,7 @@ from testkit import (
     ApiServer,
     RedisServer,
     WorkerProcess,
+    publish_catalog,
     wait_for,
     worker_env,
 )
@@ -38,6 +39,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own (AOF, fsync always), for the tests that kill,
+    restart or fill it: the session's server is shared and must stay up and empty."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
 
 
 @pytest.fixture
@@ -59,11 +69,32 @@ def make_settings(redis_url: str, **overrides: Any) -> Settings:
     return Settings(redis_url=redis_url, **{**FAST, "catalog_on_start": False, **overrides})
 
 
+MAXMEMORY = 512 * 1024 * 1024
+
+
+@pytest.fixture
+def maxmemory(r: redis.Redis) -> Iterator[int]:
+    """The test Redis with a maxmemory (noeviction, as always), as deploy/k8s runs it:
+    the memory series and alerts read it. Restored after the test, since the server is
+    shared by the session. Yields the limit."""
+    before = str(r.config_get("maxmemory")["maxmemory"])
+    r.config_set("maxmemory", MAXMEMORY)
+    yield MAXMEMORY
+    r.config_set("maxmemory", before)
+
+
 @pytest.fixture
 def known_types(r: redis.Redis) -> None:
     """The built-in and test task types known with no worker running. Request it
     before `api`/`http`, which read the catalog at start."""
     publish_builtin_catalog(r)
+
+
+@pytest.fixture
+def known_embed(r: redis.Redis) -> None:
+    """The embed type (the real model's task) in the catalog with no worker running, as
+    a fresh deployment that configures it publishes it. Request it before `api`/`http`."""
+    publish_catalog(r, "worker.tasks.embed")
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import redis
 import yaml
 from conftest import WorkerFactory, make_settings
 from support.catalog import tenant
-from support.observe import promtool_check, scrape
+from support.observe import promtool, promtool_check, scrape
 
 from dispatcher.contract.settings import Settings
 from testkit import ApiServer, free_port, wait_for
@@ -26,14 +24,6 @@ from testkit import ApiServer, free_port, wait_for
 PROMETHEUS = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
 RULES = PROMETHEUS / "gpulane.rules.yml"
 TESTS = PROMETHEUS / "tests.yml"
-
-
-def promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("promtool")
-    assert binary, "promtool is not installed (make test installs it)"
-    return subprocess.run(
-        [binary, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 def _rules() -> list[dict[str, Any]]:
@@ -46,13 +36,13 @@ def _alerts() -> dict[str, dict[str, Any]]:
 
 
 def test_rules_pass_promtool_check() -> None:
-    result = promtool("check", "rules", RULES.name)
+    result = promtool("check", "rules", RULES.name, cwd=PROMETHEUS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
 
 def test_rule_unit_tests_pass() -> None:
-    result = promtool("test", "rules", TESTS.name)
+    result = promtool("test", "rules", TESTS.name, cwd=PROMETHEUS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
@@ -118,15 +108,6 @@ def test_the_rule_tests_fail_without_the_alert(alert: str, tmp_path: Path) -> No
 
 
 # --- the series the rules read, from a real API -----------------------------------------
-
-
-@pytest.fixture
-def maxmemory(r: redis.Redis) -> Iterator[int]:
-    """The test Redis with a maxmemory for the test (noeviction, as always)."""
-    before = str(r.config_get("maxmemory")["maxmemory"])
-    r.config_set("maxmemory", 512 * 1024 * 1024)
-    yield 512 * 1024 * 1024
-    r.config_set("maxmemory", before)
 
 
 def test_redis_and_class_worker_gauges(

@@ -170,29 +170,26 @@ def test_file_over_limit(
 
 
 def test_redis_down_is_503_store_unavailable(
-    tmp_path, api_factory: Callable[..., ApiServer]
+    private_redis: RedisServer, api_factory: Callable[..., ApiServer]
 ) -> None:
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        publish_builtin_catalog(server.client())
-        api = api_factory(make_settings(server.url))
-        with httpx.Client(base_url=api.url, timeout=10) as http:
-            server.kill()
-            for method, path, kwargs in (
-                ("POST", "/tasks", {"json": {"type": "echo"}}),
-                ("GET", "/tasks/some-id", {}),
-                ("GET", "/queues", {}),
-                ("GET", "/health", {}),
-            ):
-                response = http.request(method, path, **kwargs)
-                assert response.status_code == 503, (path, response.text)
-                assert response.json()["error"] == "store_unavailable"
-                assert int(response.headers["retry-after"]) >= 1
-            server.start()  # same port, same AOF: the API recovers by itself
-            wait_for(lambda: http.get("/health").status_code == 200, 10, what="API recovery")
-            assert http.post("/tasks", json={"type": "echo"}).status_code in (202, 503)
-    finally:
+    server = private_redis
+    publish_builtin_catalog(server.client())
+    api = api_factory(make_settings(server.url))
+    with httpx.Client(base_url=api.url, timeout=10) as http:
         server.kill()
+        for method, path, kwargs in (
+            ("POST", "/tasks", {"json": {"type": "echo"}}),
+            ("GET", "/tasks/some-id", {}),
+            ("GET", "/queues", {}),
+            ("GET", "/health", {}),
+        ):
+            response = http.request(method, path, **kwargs)
+            assert response.status_code == 503, (path, response.text)
+            assert response.json()["error"] == "store_unavailable"
+            assert int(response.headers["retry-after"]) >= 1
+        server.start()  # same port, same AOF: the API recovers by itself
+        wait_for(lambda: http.get("/health").status_code == 200, 10, what="API recovery")
+        assert http.post("/tasks", json={"type": "echo"}).status_code in (202, 503)
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

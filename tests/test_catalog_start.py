@@ -5,7 +5,6 @@ subprocess with CUDA hidden; a worker is `starting` until its own types are publ
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import redis
 from conftest import WorkerFactory, make_settings
 
 from dispatcher.contract import keys
-from testkit import CLI, REPO, TEST_TASKS, ApiServer, wait_for, worker_env
+from testkit import REPO, TEST_TASKS, ApiServer, run_cli, wait_for, worker_env
 
 BUILTIN = {"echo", "sleep", "document.extract"}
 
@@ -43,15 +42,7 @@ def test_catalog_command_publishes_and_refuses_a_broken_module(
     redis_url: str, r: redis.Redis, tmp_path: Path
 ) -> None:
     env = worker_env(redis_url)
-    cli = [*CLI, "catalog"]
-    done = subprocess.run(
-        [*cli, "--tasks", f"worker.tasks.builtin,{TEST_TASKS}"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli("catalog", "--tasks", f"worker.tasks.builtin,{TEST_TASKS}", env=env)
     assert done.returncode == 0, done.stderr
     published = {k.decode() for k in r.hkeys(keys.CATALOG)}
     assert BUILTIN | {"test.env", "test.fail"} <= published
@@ -61,9 +52,7 @@ def test_catalog_command_publishes_and_refuses_a_broken_module(
 
     (tmp_path / "broken_tasks.py").write_text("raise ImportError('needs torch')\n")
     env["PYTHONPATH"] += f":{tmp_path}"
-    broken = subprocess.run(
-        [*cli, "--tasks", "broken_tasks"], env=env, cwd=REPO, capture_output=True, text=True
-    )
+    broken = run_cli("catalog", "--tasks", "broken_tasks", env=env)
     assert broken.returncode == 1
     assert "needs torch" in broken.stderr and "Traceback" not in broken.stderr
 

@@ -55,8 +55,8 @@ def _unfinished(client: redis.Redis, ids: list[str]) -> int:
 
 
 @pytest.mark.slow
-def test_random_sigkills_lose_nothing(tmp_path: Path) -> None:
-    server = RedisServer(tmp_path / "redis").start()
+def test_random_sigkills_lose_nothing(tmp_path: Path, private_redis: RedisServer) -> None:
+    server = private_redis
     env = up_env(tmp_path, redis_url=server.url, max_attempts=10, shutdown_grace_s=2)
     up = Up(env, "--workers", "4")
     client = server.client()
@@ -79,7 +79,6 @@ def test_random_sigkills_lose_nothing(tmp_path: Path) -> None:
     finally:
         killer.stop.set()
         assert up.stop() == 0, up.output()[-3000:]
-        server.kill()
     statuses = {r["status"] for r in records}
     twice = sum(r["attempts"] > 1 for r in records)
     print(

@@ -17,7 +17,7 @@ from support.pdf import make_pdf
 from support.up import Up, up_env
 
 from dispatcher.ops.embedded_redis import EmbeddedRedis
-from testkit import CLI, REPO, wait_for
+from testkit import REPO, run_cli, wait_for
 
 
 @pytest.fixture
@@ -68,25 +68,17 @@ def test_submit_wait_and_status(env: dict[str, str], tmp_path: Path) -> None:
     up = Up(env, "--workers", "1")
     try:
         up.url()
-        cli = CLI
         # No --url: the command finds the running `gpulane up` through its data dir.
-        done = subprocess.run(
-            [
-                *cli,
-                "submit",
-                "--type",
-                "sleep",
-                "--args",
-                '{"seconds": 0.8}',
-                "--class",
-                "interactive",
-                "--wait",
-            ],
+        done = run_cli(
+            "submit",
+            "--type",
+            "sleep",
+            "--args",
+            '{"seconds": 0.8}',
+            "--class",
+            "interactive",
+            "--wait",
             env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
         )
         assert done.returncode == 0, done.stderr
         assert "sleep (interactive): queued" in done.stdout
@@ -95,30 +87,14 @@ def test_submit_wait_and_status(env: dict[str, str], tmp_path: Path) -> None:
 
         pdf = tmp_path / "letter.pdf"
         pdf.write_bytes(make_pdf(["Dear reader", "Regards"]))
-        doc = subprocess.run(
-            [*cli, "submit", str(pdf), "--wait"],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        doc = run_cli("submit", str(pdf), "--wait", env=env)
         assert doc.returncode == 0, doc.stderr
         assert json.loads(doc.stdout[doc.stdout.index("{") :])["result"]["pages"] == 2
 
-        failed = subprocess.run(
-            [*cli, "submit", "--type", "nope"],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        failed = run_cli("submit", "--type", "nope", env=env)
         assert failed.returncode == 3 and "unknown_task_type" in failed.stderr
 
-        status = subprocess.run(
-            [*cli, "status"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
-        )
+        status = run_cli("status", env=env)
         assert status.returncode == 0, status.stderr
         assert "interactive" in status.stdout and "batch" in status.stdout
         assert "cpu0" in status.stdout
@@ -131,14 +107,7 @@ def test_explicit_busy_data_dir_is_refused(env: dict[str, str], tmp_path: Path) 
     first = Up(env, "--workers", "1", "--data-dir", str(data))
     try:
         first.url()
-        second = subprocess.run(
-            [*CLI, "up", "--data-dir", str(data)],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        second = run_cli("up", "--data-dir", str(data), env=env)
         assert second.returncode == 1
         assert "in use by another `gpulane up`" in second.stderr
     finally:

@@ -9,16 +9,13 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, submit, wait_status
-from support.models import requires_models
+from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
 from dispatcher.contract import keys
 from dispatcher.contract.exits import EXIT_UNHEALTHY
 from testkit import wait_for
 
 MODELS = requires_models
-
-MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-EMBED_TASKS = ["--tasks", "worker.tasks.builtin,worker.tasks.embed"]
 
 
 @MODELS
@@ -37,12 +34,7 @@ def test_worker_loads_the_model_then_embeds(
     entry = next(w for w in http.get("/workers").json()["workers"] if w["name"] == worker.name)
     assert entry["state"] == "starting" and entry["reason"] == "loading model"
     assert http.get("/health").json()["serving"] == 0
-    wait_for(
-        lambda: r.hget(keys.worker(worker.name), "state") == b"idle" or not worker.alive(),
-        120,
-        what="the model to load",
-    )
-    assert worker.alive(), worker.output()
+    wait_model_loaded(r, worker)
 
     tasks = [submit(http, "embed", {"text": text}) for text in ("hello world", "a" * 8192)]
     records = [wait_status(http, t["id"], {"succeeded", "failed"}, 60) for t in tasks]
@@ -70,14 +62,6 @@ def test_bad_input_is_refused_at_admission(
     response = http.post("/tasks", json={"type": "embed", "args": args})
     assert response.status_code == 422, response.text
     assert response.json()["error"] == "invalid_request"
-
-
-@pytest.fixture
-def known_embed(r: redis.Redis) -> None:
-    """The embed type in the catalog without a worker (request it before `http`)."""
-    from testkit import publish_catalog
-
-    publish_catalog(r, "worker.tasks.embed")
 
 
 @MODELS

@@ -26,6 +26,7 @@ from testkit import (
     ApiServer,
     fake_gpu_env,
     free_port,
+    http_ok,
     wait_for,
 )
 
@@ -141,10 +142,7 @@ class Prometheus:
 
     def ready(self) -> bool:
         assert self.process.poll() is None, self.log.read_text()
-        try:
-            return self.http.get("/-/ready").status_code == 200
-        except httpx.TransportError:
-            return False
+        return http_ok("/-/ready", self.http)
 
     def query(self, expr: str) -> dict[str, Any]:
         data: dict[str, Any] = self.http.get("/api/v1/query", params={"query": expr}).json()
@@ -158,17 +156,8 @@ class Prometheus:
 
 
 @pytest.fixture
-def maxmemory(r: redis.Redis) -> Iterator[None]:
-    """The test Redis with a maxmemory, as deploy/k8s runs it (noeviction as always)."""
-    before = str(r.config_get("maxmemory")["maxmemory"])
-    r.config_set("maxmemory", 512 * 1024 * 1024)
-    yield
-    r.config_set("maxmemory", before)
-
-
-@pytest.fixture
 def prometheus(
-    tmp_path: Path, redis_url: str, known_types: None, maxmemory: None
+    tmp_path: Path, redis_url: str, known_types: None, maxmemory: int
 ) -> Iterator[tuple[Prometheus, httpx.Client]]:
     api = ApiServer(make_settings(redis_url)).start()
     server = Prometheus(tmp_path, f"127.0.0.1:{api.url.rsplit(':', 1)[1]}")

@@ -29,7 +29,16 @@ import pytest
 import redis
 
 from dispatcher.contract import keys
-from testkit import CLI, REPO, TEST_TASKS, publish_catalog, redis_argv, wait_for
+from testkit import (
+    CLI,
+    REPO,
+    TEST_TASKS,
+    http_ok,
+    publish_catalog,
+    redis_answers,
+    redis_argv,
+    wait_for,
+)
 from testkit.netns import Hosts, netns_unavailable
 
 pytestmark = [
@@ -86,7 +95,7 @@ def pool(tmp_path: Path) -> Iterator[tuple[Pool, redis.Redis, httpx.Client]]:
                           unixsocket=str(sock), unixsocketperm="700", requirepass=PASSWORD)  # fmt: skip
         made.spawn("redis", "redis", argv)
         r = redis.Redis(unix_socket_path=str(sock), password=PASSWORD, socket_timeout=5)
-        wait_for(lambda: sock.exists() and _pings(r), 10, what="redis on its host")
+        wait_for(lambda: sock.exists() and redis_answers(r), 10, what="redis on its host")
         publish_catalog(r)
         api_sock = tmp_path / "api.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -107,25 +116,11 @@ def pool(tmp_path: Path) -> Iterator[tuple[Pool, redis.Redis, httpx.Client]]:
         )
         transport = httpx.HTTPTransport(uds=str(api_sock))
         with httpx.Client(transport=transport, base_url="http://api", timeout=30) as http:
-            wait_for(lambda: _healthy(http), 20, what="the API host")
+            wait_for(lambda: http_ok("/health", http), 20, what="the API host")
             yield made, r, http
     finally:
         made.stop()
         hosts.cleanup()
-
-
-def _pings(r: redis.Redis) -> bool:
-    try:
-        return bool(r.ping())
-    except redis.RedisError:
-        return False
-
-
-def _healthy(http: httpx.Client) -> bool:
-    try:
-        return http.get("/health").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def _run_batch(r: redis.Redis, http: httpx.Client, n: int, seconds: float) -> dict[str, Any]:

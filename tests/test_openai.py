@@ -16,22 +16,19 @@ import pytest
 import redis
 from conftest import WorkerFactory, make_settings
 from support.catalog import tenant
-from support.models import requires_models
+from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
 from dispatcher.contract.settings import ClassConfig
-from testkit import ApiServer, publish_catalog, wait_for
+from testkit import ApiServer
 
 pytestmark = requires_models
 
-MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 KEY = "sk-acme-0123456789"
-EMBED_TASKS = ["--tasks", "worker.tasks.builtin,worker.tasks.embed"]
 
 
 @pytest.fixture
-def api(redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]) -> ApiServer:
+def api(redis_url: str, known_embed: None, api_factory: Callable[..., ApiServer]) -> ApiServer:
     """An API with one tenant key, and the embed type known (as a fresh deployment)."""
-    publish_catalog(r, "worker.tasks.embed")
     settings = make_settings(redis_url, tenants=[tenant("acme", KEY, admin=True)])
     return api_factory(settings)
 
@@ -51,12 +48,7 @@ def test_embeddings_through_the_sdk(
     api: ApiServer, sdk: openai.OpenAI, r: redis.Redis, start_worker: WorkerFactory
 ) -> None:
     worker = start_worker("openai-w", wait=False, extra=EMBED_TASKS)
-    wait_for(
-        lambda: r.hget(f"gpulane:worker:{worker.name}", "state") == b"idle" or not worker.alive(),
-        120,
-        what="the model to load",
-    )
-    assert worker.alive(), worker.output()
+    wait_model_loaded(r, worker)
 
     assert [m.id for m in sdk.models.list().data] == [MODEL]
     texts = ["hello world", "gpulane dispatches GPU work", "hello world"]
@@ -137,11 +129,10 @@ def test_no_worker_is_a_503_with_retry_after(api: ApiServer) -> None:
 
 
 def test_a_refusal_leaves_no_task_behind(
-    redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]
+    redis_url: str, known_embed: None, r: redis.Redis, api_factory: Callable[..., ApiServer]
 ) -> None:
     # Room for 2 of 3 inputs: the whole request is refused and the 2 accepted tasks are
     # canceled, so nothing runs that nobody will read.
-    publish_catalog(r, "worker.tasks.embed")
     classes = {"interactive": ClassConfig(max_queued=2, reject_without_workers=False)}
     api = api_factory(make_settings(redis_url, classes=classes, default_class="interactive"))
     response = httpx.post(
@@ -152,9 +143,8 @@ def test_a_refusal_leaves_no_task_behind(
 
 
 def test_a_key_without_the_class_is_refused(
-    redis_url: str, r: redis.Redis, api_factory: Callable[..., ApiServer]
+    redis_url: str, known_embed: None, r: redis.Redis, api_factory: Callable[..., ApiServer]
 ) -> None:
-    publish_catalog(r, "worker.tasks.embed")
     batch_only = tenant("bulk", KEY, classes=["batch"])
     api = api_factory(make_settings(redis_url, tenants=[batch_only]))
     client = openai.OpenAI(base_url=f"{api.url}/v1", api_key=KEY, max_retries=0)

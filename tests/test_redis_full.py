@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 from conftest import WorkerFactory, make_settings, wait_status
 from support.catalog import publish_builtin_catalog
 
@@ -19,13 +17,6 @@ from dispatcher.contract import keys
 from testkit import ApiServer, RedisServer, wait_for
 
 FILE_BYTES = 300_000
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def _fill(http: httpx.Client, limit: int = 40) -> tuple[list[str], httpx.Response]:

@@ -3,11 +3,9 @@ signals, real Redis restarts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
-import pytest
 import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
 
@@ -174,37 +172,30 @@ def test_idempotency_key(http: httpx.Client, start_worker: WorkerFactory) -> Non
 # -- Redis restarts -------------------------------------------------------------------
 
 
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.kill()
-
-
 def test_redis_restart_with_tasks_queued_and_running(
-    own_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+    private_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
 ) -> None:
-    api = api_factory(make_settings(own_redis.url))
+    api = api_factory(make_settings(private_redis.url))
     for i in range(2):
-        start_worker(f"r{i}", redis_url_override=own_redis.url)
+        start_worker(f"r{i}", redis_url_override=private_redis.url)
     with httpx.Client(base_url=api.url, timeout=10) as http:
         wait_for(lambda: http.get("/health").json()["workers"] == 2, 5, what="workers")
         tasks = [submit(http, "sleep", {"seconds": 0.3}) for _ in range(12)]
         wait_status(http, tasks[0]["id"], {"running", "succeeded"})
-        own_redis.restart()  # SIGKILL; AOF (fsync always) brings everything back
+        private_redis.restart()  # SIGKILL; AOF (fsync always) brings everything back
         for t in tasks:
             wait_status(http, t["id"], {"succeeded"}, timeout_s=60)
 
 
 def test_result_finished_during_an_outage_is_reported_after_it(
-    own_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+    private_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
 ) -> None:
-    api = api_factory(make_settings(own_redis.url))
-    worker = start_worker("outage", redis_url_override=own_redis.url)
+    api = api_factory(make_settings(private_redis.url))
+    worker = start_worker("outage", redis_url_override=private_redis.url)
     with httpx.Client(base_url=api.url, timeout=10) as http:
         task = submit(http, "sleep", {"seconds": 0.8})
         wait_status(http, task["id"], {"running"})
-        own_redis.kill()
+        private_redis.kill()
         wait_for(
             lambda: "task succeeded" in worker.output() or "retrying" in worker.output(),
             10,
@@ -215,7 +206,7 @@ def test_result_finished_during_an_outage_is_reported_after_it(
             10,
             what="the worker to notice the outage",
         )
-        own_redis.start()
+        private_redis.start()
         record = wait_status(http, task["id"], {"succeeded"}, timeout_s=20)
     assert record["attempts"] == 1  # reported once Redis was back, not run again
     assert worker.alive()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from dispatcher.contract.exits import EXIT_CONFIG
 from dispatcher.contract.settings import Settings, SettingsError, load_settings
-from testkit import CLI, REPO
+from testkit import run_cli
 
 DIGEST = "a" * 64
 
@@ -126,14 +125,7 @@ def test_every_command_refuses_a_bad_config(tmp_path: Path, command: str) -> Non
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
     env["GPULANE_CONFIG"] = str(config)
     args = ["--type", "echo"] if command == "submit" else []
-    done = subprocess.run(
-        [*CLI, command, *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_cli(command, *args, env=env)
     assert done.returncode == EXIT_CONFIG == 2
     assert "Traceback" not in done.stderr
     message = done.stderr.strip()

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from testkit import CLI, REPO, free_port, wait_for, worker_env
+from testkit import CLI, REPO, free_port, http_ok, wait_for, worker_env
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
@@ -39,10 +39,7 @@ def _start_api(redis_url: str, **settings: object) -> tuple[subprocess.Popen[byt
 
     def up() -> bool:
         assert proc.poll() is None, "gpulane api exited"
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return http_ok(f"{url}/health")
 
     wait_for(up, 30, what="gpulane api to answer")
     return proc, url

@@ -82,18 +82,28 @@ def scrape(http: httpx.Client, **headers: str) -> Scrape:
     return Scrape(response.text, families)
 
 
-def promtool_check(text: str) -> subprocess.CompletedProcess[str]:
-    """`promtool check metrics`: the exposition format and Prometheus' naming lints."""
+def promtool(
+    *args: str, cwd: Path | None = None, stdin: str | None = None, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Prometheus' own `promtool`, its output captured: the reference the metrics and the
+    alerting rules are checked against (a missing binary fails, not skips: make test
+    installs it)."""
     binary = shutil.which("promtool")
     assert binary, "promtool is not installed (make test installs it)"
     return subprocess.run(
-        [binary, "check", "metrics"],
-        input=text,
+        [binary, *args],
+        cwd=cwd,
+        input=stdin,
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=timeout_s,
         check=False,
     )
+
+
+def promtool_check(text: str) -> subprocess.CompletedProcess[str]:
+    """`promtool check metrics`: the exposition format and Prometheus' naming lints."""
+    return promtool("check", "metrics", stdin=text, timeout_s=30)
 
 
 def fake_gpu_worker(
