@@ -23,7 +23,7 @@ from dispatcher.api.store import Submission, submit_options
 from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
-from testkit import REPO, RedisServer, free_port, wait_for
+from testkit import REPO, RedisServer, free_port, wait_redis
 from worker.broker import Broker, Claimed, Report
 from worker.state import WorkerState
 
@@ -93,7 +93,7 @@ def measure(rounds: int) -> dict[str, dict[str, float]]:
         )  # fmt: skip
         try:
             probe = redis.Redis(port=relay_port, socket_timeout=2)
-            wait_for(lambda: _answers(probe), 10, what="the slow-link relay")
+            wait_redis(probe, "redis through the slow-link relay")
             return {
                 "loopback": _measure(server.port, rounds),
                 "relay": _measure(relay_port, rounds),
@@ -102,13 +102,6 @@ def measure(rounds: int) -> dict[str, dict[str, float]]:
             relay.kill()
             relay.wait()
             server.kill()
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 def report(results: dict[str, dict[str, float]], rounds: int) -> str:

@@ -133,9 +133,7 @@ def test_cancel_of_an_item_that_already_timed_out_leaves_the_next_call_alone(
     short = submit(http, ECHO, {"value": 0, "path": str(log), "seconds": 1.5}, timeout_s=0.3)
     ids = [short["id"], _echo(http, 1, log, seconds=1.5)]
     start_worker()
-    wait_for(
-        lambda: log.exists() and len(_lines(log)) == 2 or None, 15, what="the second call"
-    )
+    wait_for(lambda: (log.exists() and len(_lines(log)) == 2) or None, 15, what="the second call")
     assert http.delete(f"/tasks/{ids[0]}").status_code == 202  # still running to the API
     records = _finals(http, ids)
     assert [r["status"] for r in records] == ["failed", "succeeded"]
