@@ -225,30 +225,40 @@ async def submit_task(request: Request) -> JSONResponse:
     if result.verdict in ("queue_full", "no_workers", "over_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
         raise refusal(result, state, sub)
+    headers = _accepted_headers(request, svc, result, state)
     wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
     if wait_s is not None:
         final = await _wait_final(request, svc, result.task_id, principal.task_scope, wait_s)
-        if final is not None:
-            return _final_response(request, result, state, final, wait_s)
+        if final is not None:  # it ended within Prefer: wait: 200 with the final record
+            headers["Preference-Applied"] = f"wait={wait_s}"
+            return JSONResponse(final, status_code=200, headers=headers)
+    replay = result.verdict == "duplicate"
+    est = result.estimated_wait_s
     body: dict[str, Any] = {
         "id": result.task_id,
         "status": result.status,
         "type": result.task_type,
         "class": result.cls,
-        "position": None,
-        "estimated_wait_s": None,
+        "position": None if replay else result.position,
+        "estimated_wait_s": None if replay or est is None else round(est, 3),
     }
+    return JSONResponse(body, status_code=200 if replay else 202, headers=headers)
+
+
+def _accepted_headers(
+    request: Request, svc: Services, result: SubmitResult, state: ClassState
+) -> dict[str, str]:
+    """What every accepted submit answers with (a 202, a replay's 200, the final
+    record's 200): its Location, then ``Idempotent-Replayed`` for a replay, else the
+    backpressure signals; a new task is counted here, once."""
     headers = {**extra_headers(request), "Location": f"/tasks/{result.task_id}"}
     if result.verdict == "duplicate":
         headers["Idempotent-Replayed"] = "true"
-        return JSONResponse(body, status_code=200, headers=headers)
-    svc.recorder.count("submitted", sub.cls, sub.task_type)
-    est = result.estimated_wait_s
-    body["position"] = result.position
-    body["estimated_wait_s"] = round(est, 3) if est is not None else None
+        return headers
+    svc.recorder.count("submitted", result.cls, result.task_type)
     pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
-    headers.update(_backpressure(result.depth, est, pressure))
-    return JSONResponse(body, status_code=202, headers=headers)
+    headers.update(_backpressure(result.depth, result.estimated_wait_s, pressure))
+    return headers
 
 
 async def _wait_final(
@@ -264,29 +274,6 @@ async def _wait_final(
         log.warning("Prefer: wait gave up on %s: %s", task_id, exc)
         return None
     return record if record is not None and record["status"] in FINAL else None
-
-
-def _final_response(
-    request: Request,
-    result: SubmitResult,
-    state: ClassState,
-    record: dict[str, Any],
-    wait_s: int,
-) -> JSONResponse:
-    """``200`` with the final record: the task ended within ``Prefer: wait``."""
-    headers = {
-        **extra_headers(request),
-        "Location": f"/tasks/{result.task_id}",
-        "Preference-Applied": f"wait={wait_s}",
-    }
-    if result.verdict == "duplicate":
-        headers["Idempotent-Replayed"] = "true"
-    else:
-        svc = services(request)
-        svc.recorder.count("submitted", result.cls, result.task_type)
-        pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
-        headers.update(_backpressure(result.depth, result.estimated_wait_s, pressure))
-    return JSONResponse(record, status_code=200, headers=headers)
 
 
 def _not_found(task_id: str) -> ApiError:
