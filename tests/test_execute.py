@@ -1,5 +1,5 @@
 """The runner's interrupts, in process: a request stops only the run it names, and a
-cancel that arrives before its run starts is not lost."""
+cancel that arrives before its run (or its batch) starts is not lost."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 from pydantic import BaseModel
 
 from dispatcher.contract.jobs import encode_call
+from worker.batching import BatchRunner
 from worker.broker import Claimed
 from worker.execute import Interrupts, Runner
-from worker.registry import Registry, TaskCanceled
+from worker.registry import Batch, Registry, TaskCanceled
 
 
 class Args(BaseModel):
@@ -65,3 +66,29 @@ def test_cancel_of_the_running_task_stops_it(runner: tuple[Runner, list[str]]) -
     threading.Timer(0.2, run.cancel, args=("t3",)).start()
     outcome, _ = run.run(_claimed("t3", seconds=30))
     assert outcome.status == "canceled"
+
+
+def test_cancel_before_a_batch_starts_keeps_the_item_out_of_the_call() -> None:
+    """A cancel that reaches the worker between the batch's claim and its first call
+    (while it waits to fill) ends the item ``canceled`` without running it."""
+    calls: list[list[str]] = []
+    registry = Registry()
+
+    @registry.task("naps", batch=Batch(max_size=4, max_wait_ms=0))
+    def naps(batch: list[Args], ctxs: list[Any]) -> list[str]:
+        calls.append([ctx.task_id for ctx in ctxs])
+        return ["woke"] * len(batch)
+
+    runner = Runner(registry, Interrupts(), lambda *_: None, {}, "w", 1 << 20)
+    claims = [
+        Claimed(task_id, "batch", encode_call("naps", {}), 1, 30.0, None, 0, None)
+        for task_id in ("t0", "t1", "t2")
+    ]
+    runner.cancel("t1")
+    items = BatchRunner(runner).run(claims)
+    assert calls == [["t0", "t2"]]
+    assert [i.outcome.status if i.outcome else None for i in items] == [
+        "finished",
+        "canceled",
+        "finished",
+    ]

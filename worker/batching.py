@@ -120,6 +120,9 @@ class BatchRunner:
 
     def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
         while pending:
+            # Cancels that came before this round (since the claim, during the batch's
+            # wait to fill) mark their items now, so those never enter the call.
+            self.runner.start_batch([i.ctx for i in pending if i.ctx is not None])
             for item in pending:
                 if item.ctx is not None and item.ctx.cancelled():
                     item.outcome = canceled()
@@ -134,8 +137,9 @@ class BatchRunner:
         """One handler call; True when every item has its outcome, False to call again
         with the items still pending."""
         ctxs = [i.ctx for i in pending if i.ctx is not None]
-        # Only this call's items: a cancel for an item that already has its outcome (a
-        # timeout of an earlier call) must not interrupt a call it is not part of.
+        # Only this call's items from here: a cancel for an item that already has its
+        # outcome (canceled, or timed out in an earlier call) must not interrupt a call
+        # it is not part of.
         self.runner.start_batch(ctxs)
         lead = ctxs[0]
         self.runner.current = lead  # the run the interrupts (and the watchdog) follow
