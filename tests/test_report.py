@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 import redis
 from conftest import make_settings
-from redis.client import Pipeline
+from redis.connection import Connection
+from support.lua import submit
 
-from dispatcher.api.store import Submission, submit_options
 from dispatcher.contract import keys
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
@@ -56,10 +55,8 @@ def reporter(broker: Broker, state: WorkerState, settings: Settings) -> Reporter
 def _batch(r: redis.Redis, settings: Settings, broker: Broker, n: int) -> list[Claimed]:
     """``n`` tasks of the batched type, submitted and claimed as one batch."""
     scripts = SyncScripts(r)
-    for i in range(n):
-        sub = Submission(TYPE, "batch", {"value": i}, timeout_s=60, tenant="t")
-        opts = submit_options(sub, settings.classes["batch"], 1, 1.0, settings)
-        scripts.run("submit", opts, encode_call(TYPE, {"value": i}), "")
+    for _ in range(n):
+        submit(scripts, task_type=TYPE, settings=settings)
     claims = broker.claim(False, "{}", batch={TYPE: n})
     assert len(claims) == n
     return claims
@@ -79,25 +76,32 @@ def _status(r: redis.Redis, claimed: Claimed) -> str | None:
 
 @pytest.fixture
 def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The size of every pipeline sent (one entry per round trip)."""
+    """Every round trip to Redis: one entry per packet of commands sent (a pipeline
+    goes as one), with the number of commands in it."""
     sent: list[int] = []
-    execute = Pipeline.execute
+    send = Connection.send_packed_command
 
-    def counted(self: Pipeline, raise_on_error: bool = True) -> Any:
-        sent.append(len(self.command_stack))
-        return execute(self, raise_on_error)
+    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
+        sent.append(len(command) if isinstance(command, list) else 1)
+        send(self, command, check_health)  # type: ignore[no-untyped-call]
 
-    monkeypatch.setattr(Pipeline, "execute", counted)
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
     return sent
 
 
 def test_a_batch_is_reported_in_one_round_trip(
     r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[int]
 ) -> None:
+    # A Redis that lost the scripts (restarted, flushed) answers NOSCRIPT: the reporter
+    # loads finish.lua and sends again what did not run.
+    first = _batch(r, settings, broker, 2)
+    r.script_flush()
+    assert all(ms is not None for ms in reporter.report(_runs(first)))
+    assert [_status(r, c) for c in first] == ["finished"] * 2
     claims = _batch(r, settings, broker, 4)
     round_trips.clear()
     ended = reporter.report(_runs(claims))
-    assert round_trips == [4]  # four finish.lua calls, one pipeline
+    assert len(round_trips) == 1  # four finish.lua calls in one packet, nothing before
     assert all(ms is not None for ms in ended)
     assert [_status(r, c) for c in claims] == ["finished"] * 4
     assert r.llen(keys.inflight(NAME, "batch")) == 0
@@ -124,7 +128,12 @@ def test_a_full_redis_holds_the_reports_until_it_has_room(
 
 
 def test_a_report_refused_for_good_leaves_the_others_recorded(
-    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, state: WorkerState
+    r: redis.Redis,
+    settings: Settings,
+    broker: Broker,
+    reporter: Reporter,
+    state: WorkerState,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     claims = _batch(r, settings, broker, 3)
     broken = claims[1]
@@ -134,3 +143,33 @@ def test_a_report_refused_for_good_leaves_the_others_recorded(
     assert ended[1] is None and ended[0] is not None and ended[2] is not None
     assert [_status(r, c) for c in (claims[0], claims[2])] == ["finished"] * 2
     assert state.unhealthy  # a script error: the worker leaves to be restarted
+    refusals = [rec for rec in caplog.records if rec.getMessage().startswith("redis refused")]
+    assert [getattr(rec, "task", None) for rec in refusals] == [broken.task_id]
+
+
+def test_reports_the_replicas_did_not_confirm_are_sent_again_and_keep_their_times(
+    r: redis.Redis, settings: Settings, broker: Broker, state: WorkerState
+) -> None:
+    """With min_replica_acks and no replica, every report is written but unconfirmed:
+    sent again until a stop past the grace gives up. The times of the first writes are
+    kept (the second answer is 'duplicate'), so the tasks are still counted."""
+    claims = _batch(r, settings, broker, 2)
+    acked = settings.model_copy(
+        update={"min_replica_acks": 1, "replica_ack_timeout_s": 0.01, "shutdown_grace_s": 0.0}
+    )
+    lagging = Broker(r, acked, NAME, acked.class_names)  # the same worker, waiting for acks
+    reporter = Reporter(lagging, Recorder(), state, acked, Backoff(initial_s=0.01, cap_s=0.05))
+    ended: list[list[int | None]] = []
+    thread = threading.Thread(target=lambda: ended.append(reporter.report(_runs(claims))))
+    thread.start()
+    try:
+        wait_for(
+            lambda: [_status(r, c) for c in claims] == ["finished"] * 2 or None,
+            10,
+            what="the unconfirmed reports written",
+        )
+    finally:
+        state.request_stop()  # past shutdown_grace_s 0: the next wait gives up
+        thread.join(10)
+    assert not thread.is_alive()
+    assert len(ended[0]) == 2 and all(ms is not None for ms in ended[0])

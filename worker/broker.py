@@ -238,19 +238,20 @@ class Broker:
     def finish_many(self, reports: Sequence[Report]) -> list[Finished | RedisError]:
         """Record several outcomes (a batch's) in one round trip, each atomic on its own:
         a report Redis refused is its exception in the list. With ``min_replica_acks``
-        one WAIT covers them all, and too few acks raise :class:`ReplicaLag` for the
-        whole set (retried whole: finish.lua answers 'duplicate' to an outcome it
-        already holds)."""
+        one WAIT covers them all, and too few acks raise :class:`ReplicaLag` with the
+        replies, for the whole set (sent again whole: finish.lua answers 'duplicate' to
+        an outcome it already holds)."""
         calls = [("finish", (self._finish_options(r), r.result_json)) for r in reports]
-        if self._acks == 0:
-            replies = self._scripts.run_many(calls)
-        else:
-            *replies, acks = self._scripts.run_many(calls, (self._acks, self._ack_timeout_ms))
-            if isinstance(acks, RedisError):
-                raise acks
-            if int(acks) < self._acks:
-                raise ReplicaLag(f"finish: {acks} of {self._acks} replicas confirmed it in time")
-        return [reply if isinstance(reply, RedisError) else _finished(reply) for reply in replies]
+        wait = (self._acks, self._ack_timeout_ms) if self._acks else None
+        replies = self._scripts.run_many(calls, wait)
+        acks = replies.pop() if wait else None
+        finished = [r if isinstance(r, RedisError) else _finished(r) for r in replies]
+        if isinstance(acks, RedisError):
+            raise acks
+        if acks is not None and int(acks) < self._acks:
+            why = f"finish: {acks} of {self._acks} replicas confirmed it in time"
+            raise ReplicaLag(why, list(finished))
+        return finished
 
     def _finish_options(self, report: Report) -> str:
         task = report.claimed

@@ -20,7 +20,7 @@ from functools import partial
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.connect import refused
+from dispatcher.contract.connect import ReplicaLag, refused
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed, Report
@@ -108,25 +108,50 @@ class Reporter:
     def _finish(
         self, runs: Sequence[Concluded], pending: list[int], ended: list[int | None]
     ) -> None:
-        """One round trip for the runs still ``pending``; what Redis refused stays
-        pending and its error is raised, after the others are recorded."""
-        reports = [_report(runs[k]) for k in pending]
-        replies = self.broker.finish_many(reports)
-        errors: list[RedisError] = []
-        for k, reply in zip(list(pending), replies, strict=True):
+        """One round trip for the runs still ``pending``. A recorded run leaves it; one
+        Redis refused for good (a script error) is given up alone; the first error to
+        wait out is raised once the others are recorded. Unconfirmed by the replicas
+        (``ReplicaLag``): all stay pending to be sent again, keeping when they ended
+        (the second answer is ``duplicate``)."""
+        lag: ReplicaLag | None = None
+        try:
+            replies = self.broker.finish_many([_report(runs[k]) for k in pending])
+        except ReplicaLag as exc:
+            replies, lag = exc.replies, exc
+        retry: RedisError | None = None
+        for k, reply in zip(list(pending), replies, strict=False):
             if isinstance(reply, RedisError):
-                errors.append(reply)
+                if refused(reply):
+                    self._give_up(runs[k], reply)
+                    pending.remove(k)
+                else:
+                    retry = retry or reply
                 continue
-            pending.remove(k)
-            verdict, ended[k] = reply
-            if verdict != "ok":
+            verdict, ended_ms = reply
+            if verdict == "ok":
+                ended[k] = ended_ms
+            elif ended[k] is None:
                 log.info(
                     "outcome already recorded elsewhere (%s)",
                     verdict,
                     extra={"worker": self.broker.name, "task": runs[k].claimed.task_id},
                 )
-        if errors:
-            raise errors[0]
+            if lag is None:
+                pending.remove(k)
+        if lag is not None:
+            raise lag
+        if retry is not None:
+            raise retry
+
+    def _give_up(self, run: Concluded, exc: RedisError) -> None:
+        """A script error, not an outage: retrying would never end. Leave; the lease
+        hands the task to another worker, within its attempt budget."""
+        log.error(
+            "redis refused the report: %s",
+            exc,
+            extra={"worker": self.broker.name, "task": run.claimed.task_id},
+        )
+        self.state.mark_unhealthy("redis refused a task report (a script error)")
 
     def _attempt(self, step: Callable[[], None], k: int, runs: Sequence[Concluded]) -> bool:
         """Run ``step`` (a report of ``runs[k]``, perhaps with others): True when done or
@@ -139,13 +164,7 @@ class Reporter:
             return self._abandon(exc)
         except RedisError as exc:
             if refused(exc):
-                # A script error, not an outage: retrying would never end. Leave; the
-                # lease hands the task to another worker, within its attempt budget.
-                log.exception(
-                    "redis refused the report",
-                    extra={"worker": self.broker.name, "task": runs[k].claimed.task_id},
-                )
-                self.state.mark_unhealthy("redis refused a task report (a script error)")
+                self._give_up(runs[k], exc)
                 return True
             return self._abandon(exc)
         self.backoff.reset()
@@ -178,7 +197,10 @@ class Reporter:
         the grace period (the lease then gives the task to another worker)."""
         stop_at = self.state.stop_requested_at
         if stop_at is not None and time.monotonic() - stop_at > self.settings.shutdown_grace_s:
-            log.error("redis still down at shutdown; the task will run again elsewhere")
+            log.error(
+                "redis still down at shutdown; the task will run again elsewhere",
+                extra={"worker": self.broker.name},
+            )
             return True
         wait_out(self.backoff, exc, self.broker.name)
         return False

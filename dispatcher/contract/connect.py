@@ -39,7 +39,13 @@ __all__ = ["OUTAGE", "ReplicaLag", "async_client", "describe", "refused", "sync_
 class ReplicaLag(ConnectionError):
     """A write did not reach ``min_replica_acks`` replicas in time. It may vanish in a
     failover, so the caller treats it as an outage: it retries (the scripts it retries
-    are idempotent for the same attempt) until a master confirms it."""
+    are idempotent for the same attempt) until a master confirms it. ``replies``: what
+    the unconfirmed scripts answered, for a caller that needs them (a retry answers
+    ``duplicate`` where the first write said when the task ended)."""
+
+    def __init__(self, message: str, replies: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.replies = replies or []
 
 
 # Redis is unreachable or switching masters: wait and retry. (ReadOnlyError: a demoted

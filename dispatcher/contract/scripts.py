@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 
 from redis import Redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from dispatcher.contract import keys
 
@@ -121,6 +122,15 @@ def options(**values: Any) -> str:
     return json.dumps(values, separators=(",", ":"))
 
 
+def _fewer_acks(first: Any, second: Any) -> Any:
+    """Two WAIT replies for one set of writes: both must hold, so the error, if either
+    failed, else the fewer replicas."""
+    for reply in (first, second):
+        if isinstance(reply, Exception):
+            return reply
+    return min(int(first), int(second))
+
+
 @dataclass
 class SyncScripts:
     """The scripts bound to a synchronous client (workers)."""
@@ -145,10 +155,33 @@ class SyncScripts:
         error) is its exception in the list, the others' replies unaffected; a lost
         connection raises. With ``wait`` = (replicas, timeout ms) a ``WAIT`` ends the
         round trip, and its reply (how many replicas hold every write before it) ends
-        the list."""
+        the list.
+
+        ``EVALSHA`` goes straight into the pipeline: redis-py's Script objects would
+        add a ``SCRIPT EXISTS`` round trip to every pipeline. A script Redis lost (a
+        restart, a flush) answers ``NOSCRIPT`` without running; it is loaded and only
+        those calls are sent again."""
+        replies = self._send(calls, wait)
+        lost = [
+            k for k, reply in enumerate(replies[: len(calls)]) if isinstance(reply, NoScriptError)
+        ]
+        if not lost:
+            return replies
+        for name in {calls[k][0] for k in lost}:
+            self.client.script_load(self._bound[name].script)
+        again = self._send([calls[k] for k in lost], wait)
+        for k, reply in zip(lost, again, strict=False):  # WAIT's reply, if any, comes last
+            replies[k] = reply
+        if wait is not None:
+            replies[-1] = _fewer_acks(replies[-1], again[-1])
+        return replies
+
+    def _send(
+        self, calls: Sequence[tuple[str, Sequence[bytes | str]]], wait: tuple[int, int] | None
+    ) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for name, argv in calls:
-            self._bound[name](keys=[], args=list(argv), client=pipe)
+            pipe.execute_command("EVALSHA", self._bound[name].sha, 0, *argv)  # type: ignore[no-untyped-call]
         if wait is not None:
             pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
         replies: list[Any] = pipe.execute(raise_on_error=False)
