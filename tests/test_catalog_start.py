@@ -5,6 +5,7 @@ subprocess with CUDA hidden; a worker is `starting` until its own types are publ
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import redis
 from conftest import WorkerFactory, make_settings
 
 from dispatcher.contract import keys
-from testkit import REPO, TEST_TASKS, ApiServer, run_cli, wait_for, worker_env
+from testkit import CLI, REPO, TEST_TASKS, ApiServer, free_port, run_cli, wait_for, worker_env
 
 BUILTIN = {"echo", "sleep", "document.extract"}
 
@@ -80,3 +81,53 @@ def test_a_worker_is_starting_until_its_types_are_published(
     gate.touch()
     wait_for(lambda: r.hget(keys.worker("gated"), "state") == b"idle", 20, what="idle")
     assert r.hexists(keys.CATALOG, "test.gated") and worker.alive()
+
+
+COUNTED = """
+from pathlib import Path
+from worker import task
+with open({log!r}, "a") as imports:  # one line per process that imports this module
+    imports.write("imported\\n")
+@task("test.counted")
+def counted(args, ctx):
+    return {{}}
+"""
+
+
+def test_api_processes_started_together_publish_the_catalog_once(
+    redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    imports = tmp_path / "imports"
+    (tmp_path / "counted_tasks.py").write_text(COUNTED.format(log=str(imports)))
+    env = worker_env(redis_url, catalog_on_start="true", task_modules='["counted_tasks"]')
+    env["PYTHONPATH"] += f":{tmp_path}"
+    port = free_port()
+    log = tmp_path / "api.log"
+    with log.open("w") as out:
+        api = subprocess.Popen(
+            [*CLI, "api", "--port", str(port), "--workers", "3"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        published = "published the catalog of ['counted_tasks']"
+        by_another = "the catalog of ['counted_tasks'] was published by another API process"
+
+        def every_process_done() -> bool:
+            text = log.read_text()
+            return text.count(published) + text.count(by_another) == 3
+
+        wait_for(every_process_done, 60, what="3 API processes to have the catalog")
+        text = log.read_text()
+        assert text.count(published) == 1 and text.count(by_another) == 2, text
+        assert imports.read_text() == "imported\n"  # one catalog subprocess, not three
+        assert r.hexists(keys.CATALOG, "test.counted")
+        assert not r.keys(keys.catalog_publisher("*"))  # the publisher let go
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            for _ in range(6):  # whichever process answers knows the type
+                reply = http.post("/tasks", json={"type": "test.counted"})
+                assert reply.status_code == 202, reply.text
+    finally:
+        api.terminate()
+        api.wait(15)

@@ -9,15 +9,19 @@ type.
 At start (``catalog_on_start``) the API also publishes the catalog of the configured
 ``task_modules`` from a subprocess of worker code (:mod:`dispatcher.contract.catalog`),
 so a fresh deployment knows its types before any worker is ready. A lookup that misses
-while that is under way waits for it.
+while that is under way waits for it. API processes started together (``api_workers``)
+run that subprocess once: the first to take ``gpulane:catalog:publisher:<digest>``
+publishes, the others wait for it to finish and read what it published.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +39,8 @@ log = logging.getLogger("gpulane.api")
 
 _MAX_ERRORS = 5
 PUBLISH_TIMEOUT_S = 60.0  # importing task modules (torch...) may take a while
+_LOCK_MS = int((PUBLISH_TIMEOUT_S + 10) * 1000)  # outlives the subprocess it guards
+_POLL_S = 0.1  # how often a process waiting for another's publication looks
 
 
 @dataclass(frozen=True)
@@ -116,16 +122,40 @@ class Catalog:
         self._publishing = asyncio.create_task(self._publish(modules), name="gpulane-catalog")
 
     async def _publish(self, modules: list[str]) -> None:
+        """Publish ``modules``' types, or wait for the API process that does: processes
+        started together (``api_workers``) run one catalog subprocess between them."""
+        digest = hashlib.sha256("\n".join(sorted(modules)).encode()).hexdigest()[:16]
+        lock = keys.catalog_publisher(digest)
         try:
-            entries = await configured_catalog(modules, PUBLISH_TIMEOUT_S)
-            if entries:
-                await self._client.hset(keys.CATALOG, mapping=entries)  # type: ignore[arg-type]
+            if await self._client.set(lock, str(os.getpid()), nx=True, px=_LOCK_MS):
+                try:
+                    await self._run_subprocess(modules)
+                finally:
+                    # Still ours: the subprocess is killed at PUBLISH_TIMEOUT_S, within
+                    # the lock's TTL. (If Redis is gone, the TTL frees it.)
+                    with contextlib.suppress(RedisError):
+                        await self._client.delete(lock)
+            else:
+                await self._other_publisher(lock)
+                log.info("the catalog of %s was published by another API process", modules)
             await self.refresh()
-            log.info("published the catalog of %s: %s", modules, sorted(entries))
         except (CatalogError, OSError) as exc:
             log.warning("could not publish the configured task catalog: %s", exc)
         except RedisError as exc:
             log.warning("could not publish the configured task catalog (redis: %s)", exc)
+
+    async def _run_subprocess(self, modules: list[str]) -> None:
+        entries = await configured_catalog(modules, PUBLISH_TIMEOUT_S)
+        if entries:
+            await self._client.hset(keys.CATALOG, mapping=entries)  # type: ignore[arg-type]
+        log.info("published the catalog of %s: %s", modules, sorted(entries))
+
+    async def _other_publisher(self, lock: str) -> None:
+        """Until the process holding ``lock`` is done (its key goes, or expires)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _LOCK_MS / 1000
+        while await self._client.exists(lock) and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
 
     async def _published(self) -> None:
         """Wait for a publication under way (a failed one was logged)."""

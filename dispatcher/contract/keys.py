@@ -29,6 +29,11 @@ gpulane's keys::
     gpulane:file:<id>                STRING uploaded document bytes; deleted at the end
     gpulane:catalog                  HASH   task type -> JSON {schema, description, ...}
                                             as published by the workers serving it
+    gpulane:catalog:publisher:<digest>
+                                     STRING the API process publishing the catalog of
+                                            the task_modules whose digest this is (SET
+                                            NX PX): N processes started together run
+                                            one catalog subprocess, not N
     gpulane:workers                  ZSET   worker name -> lease deadline (ms, Redis clock)
     gpulane:worker:<name>            HASH   what a worker is and does (GET /workers)
     gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id, or a
@@ -95,6 +100,7 @@ __all__ = [
     "RQ_QUEUES",
     "RQ_WORKERS",
     "WORKERS",
+    "catalog_publisher",
     "control",
     "fair",
     "file",
@@ -155,6 +161,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
     "gpu_claim": (_P + "gpu:", ("uuid", "slot"), ""),
+    "catalog_publisher": (_P + "catalog:publisher:", ("digest",), ""),
 }
 
 
@@ -245,6 +252,10 @@ def rate(tenant: str) -> str:
 
 def gpu_claim(uuid: str, slot: int) -> str:
     return _build("gpu_claim", uuid, str(slot))
+
+
+def catalog_publisher(digest: str) -> str:
+    return _build("catalog_publisher", digest)
 
 
 def lua_prelude() -> str:
