@@ -27,7 +27,7 @@ from typing import Any
 from bench import trace as tr
 from bench.harness import Stack
 from bench.replay import System, replay_systems, started
-from bench.report import Report, Table, Target, figure, save
+from bench.report import Report, Table, Target, figure, grouped_bars, latency_cdf, save
 
 SYSTEMS = ("pull", "rr", "lc")
 LABELS = {
@@ -164,22 +164,13 @@ def _chart(
 ) -> str:
     fig, (left, right) = figure(10.0, 3.6, ncols=2)
     runs = results[max(results)]["runs"]
-    for key in ("ideal", "pull", "rr", "lc"):
-        values = sorted(t.ended - t.created for t in runs[key])
-        left.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=LABELS[key])
-    left.set_xscale("log")
-    left.set_xlabel("end-to-end latency (s), log scale")
-    left.set_ylabel("fraction of tasks")
+    cdf_keys = ("ideal", "pull", "rr", "lc")
+    latency_cdf(left, {LABELS[k]: [t.ended - t.created for t in runs[k]] for k in cdf_keys})
     left.set_title(f"Latency CDF at {max(results):.0%} load")
     left.legend(fontsize=8)
     keys_ = ("ideal", "pull", "lc", "rr")
-    width = 0.8 / len(stats)
-    for i, (load, s) in enumerate(sorted(stats.items())):
-        xs = [j + (i - (len(stats) - 1) / 2) * width for j in range(len(keys_))]
-        right.bar(xs, [s[k].p99 for k in keys_], width=width, label=f"{load:.0%} load")
-    right.set_xticks(
-        range(len(keys_)), ["ideal", "gpulane\n(pull)", "least-\nconn.", "round-\nrobin"]
-    )
+    bars = {f"{load:.0%} load": [s[k].p99 for k in keys_] for load, s in sorted(stats.items())}
+    grouped_bars(right, bars, ["ideal", "gpulane\n(pull)", "least-\nconn.", "round-\nrobin"])
     right.set_ylabel("p99 latency (s)")
     right.set_title("p99 end-to-end latency")
     right.legend(fontsize=8)

@@ -43,13 +43,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench import hetero
 from bench import trace as tr
 from bench.harness import Stack
 from bench.replay import System, replay_systems, started
-from bench.report import Report, Table, Target, figure, pct, save
+from bench.report import Report, Table, Target, figure, grouped_bars, latency_cdf, pct, save
 
 SYSTEMS = ("pull", "rr", "lc", "ll")
 LABELS = {
@@ -573,23 +571,13 @@ def _chart(results: dict[float, Any], rows: dict[float, dict[str, Row]], outdir:
     fig, (left, right) = figure(10.0, 3.6, ncols=2)
     top = max(results)
     runs = results[top]["runs"]
-    for key in ("ideal", "pull", "lc", "ll", "rr"):
-        values = sorted(t.ended - t.created for t in runs[key])
-        left.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=LABELS[key])
-    left.set_xscale("log")
-    left.set_xlabel("end-to-end latency (s), log scale")
-    left.set_ylabel("fraction of tasks")
+    keys_ = ("ideal", "pull", "lc", "ll", "rr")
+    latency_cdf(left, {LABELS[k]: [t.ended - t.created for t in runs[k]] for k in keys_})
     left.set_title(f"Latency CDF at {top:.0%} load, 2 fast + 2 slow")
     left.legend(fontsize=7, loc="lower right")
-    keys_ = ("ideal", "pull", "lc", "ll", "rr")
-    width = 0.8 / len(rows)
-    for i, (load, s) in enumerate(sorted(rows.items())):
-        xs = np.arange(len(keys_)) + (i - (len(rows) - 1) / 2) * width
-        right.bar(xs, [s[k].m.p99 for k in keys_], width=width, label=f"{load:.0%} load")
-    right.set_xticks(
-        range(len(keys_)),
-        ["ideal", "gpulane\n(pull)", "least-\nconn.", "lowest-\nlatency", "round-\nrobin"],
-    )
+    bars = {f"{load:.0%} load": [s[k].m.p99 for k in keys_] for load, s in sorted(rows.items())}
+    ticks = ["ideal", "gpulane\n(pull)", "least-\nconn.", "lowest-\nlatency", "round-\nrobin"]
+    grouped_bars(right, bars, ticks)
     right.set_ylabel("p99 latency (s)")
     right.set_title("p99 end-to-end latency (measured; ideal: model)")
     right.legend(fontsize=8)
