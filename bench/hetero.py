@@ -11,8 +11,9 @@ rows, the shape the measured systems produce, so one set of metrics covers both.
   gpulane's doorbell picks among parked workers that declared their speeds (``ZPOPMIN``
   of the class's idle set: the lowest rank ``round(1000 / speed)``, then, free GPU
   memory being equal, the name); ``random_pick`` is a speed-blind doorbell (any parked
-  worker: gpulane's before workers declared speeds, ``SPOP`` of a set). A task that
-  waited starts on the first worker to free up, in all.
+  worker: gpulane's before workers declared speeds, ``SPOP`` of a set);
+  ``earliest_free`` (the worker free longest) is :func:`bench.trace.central`, the
+  equal-worker ideal. A task that waited starts on the first worker to free up, in all.
 - :func:`push`: each task joins one worker's own queue when it arrives, served FCFS by
   that worker. Routers: ``"rr"`` round-robin, ``"lc"`` least connections (fewest
   outstanding tasks, queued + running, ties round-robin), ``"ll"`` lowest latency (the
@@ -34,12 +35,19 @@ from bench.trace import Task, Trace
 
 EWMA_ALPHA = 0.3  # weight of the newest completed task in the lowest-latency router
 
-Pick = Callable[[list[int]], int]
+# Chooses among the free workers (by index), given when each worker frees up.
+Pick = Callable[[list[int], Sequence[float]], int]
 
 
 def fastest(slowdown: Sequence[float]) -> Pick:
     """The fastest free worker, then the lowest index."""
-    return lambda free: min(free, key=lambda k: (slowdown[k], k))
+    return lambda free, _: min(free, key=lambda k: (slowdown[k], k))
+
+
+def earliest_free(free: list[int], free_at: Sequence[float]) -> int:
+    """The worker free longest, then the lowest index: the order of a heap of free
+    servers, :func:`bench.trace.central`'s pick on equal workers."""
+    return min(free, key=lambda k: (free_at[k], k))
 
 
 def doorbell(slowdown: Sequence[float], names: Sequence[str]) -> Pick:
@@ -47,14 +55,14 @@ def doorbell(slowdown: Sequence[float], names: Sequence[str]) -> Pick:
     and all have the same GPU memory free (or none: the cpu): ``ZPOPMIN`` of the idle
     set, scored ``round(1000 / speed) x 2^32 + free MB``; equal scores go by name."""
     rank = [round(1000 / (1 / s)) for s in slowdown]
-    return lambda free: min(free, key=lambda k: (rank[k], names[k]))
+    return lambda free, _: min(free, key=lambda k: (rank[k], names[k]))
 
 
 def random_pick(seed: int) -> Pick:
     """Any free worker, uniformly: a doorbell blind to speed (gpulane's before worker
     speeds: ``SPOP`` of the idle set)."""
     rng = random.Random(seed)
-    return lambda free: free[rng.randrange(len(free))]
+    return lambda free, _: free[rng.randrange(len(free))]
 
 
 def central(trace: Trace, slowdown: Sequence[float], pick: Pick) -> list[Task]:
@@ -63,7 +71,7 @@ def central(trace: Trace, slowdown: Sequence[float], pick: Pick) -> list[Task]:
     out = []
     for arrival, size in zip(trace.arrivals, trace.services, strict=True):
         start = max(arrival, min(free_at))
-        k = pick([j for j, at in enumerate(free_at) if at <= start])
+        k = pick([j for j, at in enumerate(free_at) if at <= start], free_at)
         end = start + size * slowdown[k]
         free_at[k] = end
         out.append(Task(arrival, start, end, k, -1))

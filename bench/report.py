@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -195,3 +196,23 @@ def save(fig: Any, outdir: Path, name: str) -> str:
     fig.savefig(outdir / name)
     plt.close(fig)
     return name
+
+
+def latency_cdf(ax: Any, latencies: Mapping[str, Sequence[float]]) -> None:
+    """One CDF line per label on a log latency axis: where policies part shows in the
+    tail, which a linear axis squeezes into its last pixels."""
+    for label, latency in latencies.items():
+        values = sorted(latency)
+        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("end-to-end latency (s), log scale")
+    ax.set_ylabel("fraction of tasks")
+
+
+def grouped_bars(ax: Any, series: Mapping[str, Sequence[float]], ticks: Sequence[str]) -> None:
+    """One bar per series side by side at each tick (``series``: label -> value per tick)."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(ticks))]
+        ax.bar(xs, values, width=width, label=label)
+    ax.set_xticks(range(len(ticks)), ticks)

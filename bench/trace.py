@@ -11,14 +11,14 @@ and every system runs the very same tasks in the very same order.
 The models replay a trace with no overhead at all: :func:`central` is the ideal
 central FCFS queue (M/G/k: the next task goes to the first free server),
 :func:`round_robin` and :func:`least_connections` are push routers that pick a
-worker's own queue when the task arrives. All return :class:`Run` rows, the same shape
-the measured systems produce, so one set of metrics covers models and measurements.
+worker's own queue when the task arrives. They are :mod:`bench.hetero`'s models at
+slowdown 1 (equal workers), so balancing and mixed replay one implementation. All
+return :class:`Task` rows, the same shape the measured systems produce, so one set of
+metrics covers models and measurements.
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -61,44 +61,37 @@ def make_trace(n: int, workers: int, load: float, mean_s: float = 0.2, seed: int
     return Trace(arrivals.tolist(), services.tolist(), workers, load)
 
 
+def _equal(trace: Trace) -> list[float]:
+    """Slowdowns of ``trace.workers`` equal workers."""
+    return [1.0] * trace.workers
+
+
+# The three models are :mod:`bench.hetero`'s on equal workers, one implementation for
+# both scenarios. hetero builds on this module's Trace and Task, hence the imports
+# inside the functions.
+
+
 def central(trace: Trace) -> list[Task]:
-    """Ideal central queue: FCFS, a free server takes the next task at once."""
-    free = [(0.0, k) for k in range(trace.workers)]
-    out = []
-    for arrival, service in zip(trace.arrivals, trace.services, strict=True):
-        at, k = heapq.heappop(free)
-        start = max(at, arrival)
-        out.append(Task(arrival, start, start + service, k, -1))
-        heapq.heappush(free, (start + service, k))
-    return out
+    """Ideal central queue: FCFS, a free server takes the next task at once (the one
+    free longest, then the lowest index)."""
+    from bench import hetero
 
-
-def _push(trace: Trace, choose: list[int] | None) -> list[Task]:
-    """Each task joins the queue of a worker picked at arrival (least connections
-    when ``choose`` is None, else the given worker), served FCFS by that worker."""
-    ends: list[list[float]] = [[] for _ in range(trace.workers)]
-    out = []
-    pointer = 0
-    for i, (arrival, service) in enumerate(zip(trace.arrivals, trace.services, strict=True)):
-        if choose is not None:
-            k = choose[i]
-        else:
-            outstanding = [len(e) - bisect.bisect_right(e, arrival) for e in ends]
-            order = [(pointer + j) % trace.workers for j in range(trace.workers)]
-            k = min(order, key=lambda j: outstanding[j])
-            pointer = (k + 1) % trace.workers
-        start = max(arrival, ends[k][-1] if ends[k] else 0.0)
-        ends[k].append(start + service)
-        out.append(Task(arrival, start, start + service, k, k))
-    return out
+    return hetero.central(trace, _equal(trace), hetero.earliest_free)
 
 
 def round_robin(trace: Trace) -> list[Task]:
-    return _push(trace, [i % trace.workers for i in range(len(trace.arrivals))])
+    """Task i joins worker i mod k's own queue."""
+    from bench import hetero
+
+    return hetero.push(trace, _equal(trace), "rr")
 
 
 def least_connections(trace: Trace) -> list[Task]:
-    return _push(trace, None)
+    """Each task joins the queue of the worker with the fewest outstanding tasks, ties
+    round-robin."""
+    from bench import hetero
+
+    return hetero.push(trace, _equal(trace), "lc")
 
 
 @dataclass(frozen=True)

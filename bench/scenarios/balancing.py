@@ -24,14 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from bench import trace as tr
-from bench.glside import Submitter
-from bench.harness import Stack, classes_json
-from bench.replay import replay_systems
-from bench.report import Report, Table, Target, figure, save
-from dispatcher.contract import keys
+from bench.harness import Stack
+from bench.replay import System, replay_systems, started
+from bench.report import Report, Table, Target, figure, grouped_bars, latency_cdf, save
 
 SYSTEMS = ("pull", "rr", "lc")
 LABELS = {
@@ -59,54 +55,9 @@ SIZES = {
 }
 
 
-class System:
-    """One system under test: its stack, its workers and its routing policy."""
-
-    def __init__(self, kind: str, stack: Stack, workers: int) -> None:
-        self.kind = kind
-        self.stack = stack
-        self.workers = workers
-        self.classes = ["batch"] if kind == "pull" else [f"w{k}" for k in range(workers)]
-        self.names = [f"{kind}{k}" for k in range(workers)]
-        self.client: redis.Redis = stack.client()
-        self.submitter = Submitter(self.client, self.classes, workers)
-        self._next = 0
-
-    def start(self) -> None:
-        procs = []
-        config = classes_json(self.classes)
-        for k, name in enumerate(self.names):
-            serve = None if self.kind == "pull" else [self.classes[k]]
-            procs.append(
-                self.stack.gpulane_worker(
-                    name, serve, wait=False, classes=config, default_class=self.classes[0]
-                )
-            )
-        for proc in procs:
-            self.stack.wait_registered(proc)
-
-    def route(self) -> int:
-        """The worker (its queue) for the task arriving now; -1: the shared queue."""
-        if self.kind == "pull":
-            return -1
-        if self.kind == "rr":
-            k = self._next
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            for k, name in enumerate(self.names):
-                pipe.llen(keys.queue(self.classes[k]))
-                pipe.llen(keys.inflight(name, self.classes[k]))
-            lens = pipe.execute()
-            outstanding = [lens[2 * k] + lens[2 * k + 1] for k in range(self.workers)]
-            order = [(self._next + j) % self.workers for j in range(self.workers)]
-            k = min(order, key=lambda j: outstanding[j])
-        self._next = (k + 1) % self.workers
-        return k
-
-    def submit(self, seconds: float) -> tuple[str, int]:
-        k = self.route()
-        cls = self.classes[max(k, 0)]
-        return self.submitter.submit("sleep", {"seconds": seconds}, cls), k
+def system(kind: str, stack: Stack, workers: int) -> System:
+    """``kind``'s system on ``stack``: workers ``{kind}0``... running the built-in sleep."""
+    return System(kind, stack, [f"{kind}{k}" for k in range(workers)], "sleep")
 
 
 # -- measuring ----------------------------------------------------------------------
@@ -119,10 +70,7 @@ def replay_all(systems: list[System], trace: tr.Trace) -> dict[str, list[tr.Task
 
 def measure(size: Size) -> dict[float, dict[str, Any]]:
     results: dict[float, dict[str, Any]] = {}
-    with Stack() as s1, Stack() as s2, Stack() as s3:
-        systems = [System(k, s, size.workers) for k, s in zip(SYSTEMS, (s1, s2, s3), strict=True)]
-        for system in systems:
-            system.start()
+    with started(SYSTEMS, lambda kind, stack: system(kind, stack, size.workers)) as systems:
         for load in LOADS:
             trace = tr.make_trace(size.tasks, size.workers, load, size.mean_s)
             runs: dict[str, Any] = replay_all(systems, trace)
@@ -216,22 +164,13 @@ def _chart(
 ) -> str:
     fig, (left, right) = figure(10.0, 3.6, ncols=2)
     runs = results[max(results)]["runs"]
-    for key in ("ideal", "pull", "rr", "lc"):
-        values = sorted(t.ended - t.created for t in runs[key])
-        left.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=LABELS[key])
-    left.set_xscale("log")
-    left.set_xlabel("end-to-end latency (s), log scale")
-    left.set_ylabel("fraction of tasks")
+    cdf_keys = ("ideal", "pull", "rr", "lc")
+    latency_cdf(left, {LABELS[k]: [t.ended - t.created for t in runs[k]] for k in cdf_keys})
     left.set_title(f"Latency CDF at {max(results):.0%} load")
     left.legend(fontsize=8)
     keys_ = ("ideal", "pull", "lc", "rr")
-    width = 0.8 / len(stats)
-    for i, (load, s) in enumerate(sorted(stats.items())):
-        xs = [j + (i - (len(stats) - 1) / 2) * width for j in range(len(keys_))]
-        right.bar(xs, [s[k].p99 for k in keys_], width=width, label=f"{load:.0%} load")
-    right.set_xticks(
-        range(len(keys_)), ["ideal", "gpulane\n(pull)", "least-\nconn.", "round-\nrobin"]
-    )
+    bars = {f"{load:.0%} load": [s[k].p99 for k in keys_] for load, s in sorted(stats.items())}
+    grouped_bars(right, bars, ["ideal", "gpulane\n(pull)", "least-\nconn.", "round-\nrobin"])
     right.set_ylabel("p99 latency (s)")
     right.set_title("p99 end-to-end latency")
     right.legend(fontsize=8)

@@ -43,16 +43,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import redis
-
 from bench import hetero
 from bench import trace as tr
-from bench.glside import Submitter
-from bench.harness import Stack, classes_json
-from bench.replay import replay_systems
-from bench.report import Report, Table, Target, figure, pct, save
-from dispatcher.contract import keys
+from bench.harness import Stack
+from bench.replay import System, replay_systems, started
+from bench.report import Report, Table, Target, figure, grouped_bars, latency_cdf, pct, save
 
 SYSTEMS = ("pull", "rr", "lc", "ll")
 LABELS = {
@@ -135,75 +130,15 @@ def make_trace(size: Size, load: float, seed: int = 7) -> tr.Trace:
     return replace(raw, load=load)
 
 
-class System:
-    """One system under test: its stack, its fast and slow workers, its routing."""
-
-    def __init__(self, kind: str, stack: Stack, size: Size) -> None:
-        self.kind = kind
-        self.stack = stack
-        self.speeds = size.speeds
-        self.workers = len(self.speeds)
-        self.classes = ["batch"] if kind == "pull" else [f"w{k}" for k in range(self.workers)]
-        self.names = size.names(kind)
-        self.client: redis.Redis = stack.client()
-        self.submitter = Submitter(self.client, self.classes, self.workers)
-        self.router = None if kind == "pull" else hetero.Router(kind, self.workers)
-        self.pending: list[tuple[str, int]] = []  # lowest latency: routed, not seen to end
-
-    def start(self) -> None:
-        procs = []
-        config = classes_json(self.classes)
-        for k, name in enumerate(self.names):
-            serve = None if self.kind == "pull" else [self.classes[k]]
-            env = self.stack.env(classes=config, default_class=self.classes[0])
-            env["BENCH_SLOWDOWN"] = str(self.speeds[k])  # read by bench.sleep
-            if self.kind == "pull":  # the doorbell rings the fastest parked worker first
-                env["GPULANE_WORKER_SPEED"] = str(1 / self.speeds[k])
-            procs.append(self.stack.spawn(name, self.stack.worker_argv(name, serve), env))
-        for proc in procs:
-            self.stack.wait_registered(proc)
-
-    def _outstanding(self) -> list[int]:
-        pipe = self.client.pipeline(transaction=False)
-        for k, name in enumerate(self.names):
-            pipe.llen(keys.queue(self.classes[k]))
-            pipe.llen(keys.inflight(name, self.classes[k]))
-        lens = pipe.execute()
-        return [lens[2 * k] + lens[2 * k + 1] for k in range(self.workers)]
-
-    def _observe(self, router: hetero.Router) -> None:
-        """Feed the router the latency of every routed task that ended since, in order."""
-        if not self.pending:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for task_id, _ in self.pending:
-            pipe.hmget(keys.job(task_id), "created_ms", "ended_ms")
-        ended, still = [], []
-        for (task_id, k), (created, end) in zip(self.pending, pipe.execute(), strict=True):
-            if end:
-                ended.append((int(end), k, (int(end) - int(created)) / 1000))
-            else:
-                still.append((task_id, k))
-        for _, k, latency in sorted(ended):
-            router.observe(k, latency)
-        self.pending = still
-
-    def route(self) -> int:
-        """The worker (its queue) for the task arriving now; -1: the shared queue."""
-        if self.router is None:
-            return -1
-        if self.kind == "lc":
-            return self.router.choose(self._outstanding())
-        if self.kind == "ll":
-            self._observe(self.router)
-        return self.router.choose()
-
-    def submit(self, seconds: float) -> tuple[str, int]:
-        k = self.route()
-        task_id = self.submitter.submit(TASK, {"seconds": seconds}, self.classes[max(k, 0)])
-        if self.kind == "ll":
-            self.pending.append((task_id, k))
-        return task_id, k
+def system(kind: str, stack: Stack, size: Size) -> System:
+    """``kind``'s system on ``stack``: fast and slow workers running ``bench.sleep``."""
+    env = []
+    for slowdown in size.speeds:
+        worker = {"BENCH_SLOWDOWN": str(slowdown)}  # read by bench.sleep
+        if kind == "pull":  # the doorbell rings the fastest parked worker first
+            worker["GPULANE_WORKER_SPEED"] = str(1 / slowdown)
+        env.append(worker)
+    return System(kind, stack, size.names(kind), TASK, env)
 
 
 # -- measuring ----------------------------------------------------------------------
@@ -211,10 +146,8 @@ class System:
 
 def replay_all(systems: list[System], trace: tr.Trace, size: Size) -> dict[str, list[tr.Task]]:
     """Replay ``trace`` through every system at once; their tasks once all ended."""
-    for system in systems:
-        system.pending = []
-        if system.router is not None:
-            system.router = hetero.Router(system.kind, system.workers)
+    for each in systems:
+        each.reset()
     # Lowest latency can pile nearly everything on one worker, a slow one at worst.
     limit = 60 + size.slowdown * sum(trace.services)
     return replay_systems(systems, trace, limit)
@@ -237,11 +170,7 @@ def models(trace: tr.Trace, size: Size) -> dict[str, list[tr.Task]]:
 
 def measure(size: Size) -> dict[float, dict[str, Any]]:
     results: dict[float, dict[str, Any]] = {}
-    with Stack() as s1, Stack() as s2, Stack() as s3, Stack() as s4:
-        stacks = (s1, s2, s3, s4)
-        systems = [System(k, s, size) for k, s in zip(SYSTEMS, stacks, strict=True)]
-        for system in systems:
-            system.start()
+    with started(SYSTEMS, lambda kind, stack: system(kind, stack, size)) as systems:
         for load in LOADS:
             trace = make_trace(size, load)
             runs: dict[str, Any] = replay_all(systems, trace, size)
@@ -642,23 +571,13 @@ def _chart(results: dict[float, Any], rows: dict[float, dict[str, Row]], outdir:
     fig, (left, right) = figure(10.0, 3.6, ncols=2)
     top = max(results)
     runs = results[top]["runs"]
-    for key in ("ideal", "pull", "lc", "ll", "rr"):
-        values = sorted(t.ended - t.created for t in runs[key])
-        left.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=LABELS[key])
-    left.set_xscale("log")
-    left.set_xlabel("end-to-end latency (s), log scale")
-    left.set_ylabel("fraction of tasks")
+    keys_ = ("ideal", "pull", "lc", "ll", "rr")
+    latency_cdf(left, {LABELS[k]: [t.ended - t.created for t in runs[k]] for k in keys_})
     left.set_title(f"Latency CDF at {top:.0%} load, 2 fast + 2 slow")
     left.legend(fontsize=7, loc="lower right")
-    keys_ = ("ideal", "pull", "lc", "ll", "rr")
-    width = 0.8 / len(rows)
-    for i, (load, s) in enumerate(sorted(rows.items())):
-        xs = np.arange(len(keys_)) + (i - (len(rows) - 1) / 2) * width
-        right.bar(xs, [s[k].m.p99 for k in keys_], width=width, label=f"{load:.0%} load")
-    right.set_xticks(
-        range(len(keys_)),
-        ["ideal", "gpulane\n(pull)", "least-\nconn.", "lowest-\nlatency", "round-\nrobin"],
-    )
+    bars = {f"{load:.0%} load": [s[k].m.p99 for k in keys_] for load, s in sorted(rows.items())}
+    ticks = ["ideal", "gpulane\n(pull)", "least-\nconn.", "lowest-\nlatency", "round-\nrobin"]
+    grouped_bars(right, bars, ticks)
     right.set_ylabel("p99 latency (s)")
     right.set_title("p99 end-to-end latency (measured; ideal: model)")
     right.legend(fontsize=8)

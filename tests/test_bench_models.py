@@ -1,0 +1,71 @@
+"""balancing's equal-worker models are mixed's (bench.hetero) at slowdown 1.
+
+bench/trace.py's ``central``, ``round_robin`` and ``least_connections`` once had their
+own implementations; they now call bench/hetero.py's. The references below are those
+former implementations, kept here as oracles: on fixed seeds and several loads, the
+models must give the very same rows (start, end, worker and queue of every task), so
+balancing's reports did not change with the refactor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+import pytest
+
+from bench import hetero
+from bench import trace as tr
+
+SEEDS = (7, 11, 23)
+LOADS = (0.5, 0.7, 0.9, 1.1)
+WORKERS = 4
+
+
+def reference_central(trace: tr.Trace) -> list[tr.Task]:
+    """The former trace.central: a heap of free servers, (free since, index)."""
+    free = [(0.0, k) for k in range(trace.workers)]
+    out = []
+    for arrival, service in zip(trace.arrivals, trace.services, strict=True):
+        at, k = heapq.heappop(free)
+        start = max(at, arrival)
+        out.append(tr.Task(arrival, start, start + service, k, -1))
+        heapq.heappush(free, (start + service, k))
+    return out
+
+
+def reference_push(trace: tr.Trace, round_robin: bool) -> list[tr.Task]:
+    """The former trace._push: round-robin, or least connections counted by bisection."""
+    ends: list[list[float]] = [[] for _ in range(trace.workers)]
+    out = []
+    pointer = 0
+    for i, (arrival, service) in enumerate(zip(trace.arrivals, trace.services, strict=True)):
+        if round_robin:
+            k = i % trace.workers
+        else:
+            outstanding = [len(e) - bisect.bisect_right(e, arrival) for e in ends]
+            order = [(pointer + j) % trace.workers for j in range(trace.workers)]
+            k = min(order, key=lambda j: outstanding[j])
+            pointer = (k + 1) % trace.workers
+        start = max(arrival, ends[k][-1] if ends[k] else 0.0)
+        ends[k].append(start + service)
+        out.append(tr.Task(arrival, start, start + service, k, k))
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("load", LOADS)
+def test_equal_worker_models_are_hetero_at_slowdown_1(seed: int, load: float) -> None:
+    trace = tr.make_trace(300, WORKERS, load, seed=seed)
+    equal = [1.0] * WORKERS
+    central = reference_central(trace)
+    rr = reference_push(trace, round_robin=True)
+    lc = reference_push(trace, round_robin=False)
+    assert tr.central(trace) == central
+    assert hetero.central(trace, equal, hetero.earliest_free) == central
+    assert tr.round_robin(trace) == rr
+    assert hetero.push(trace, equal, "rr") == rr
+    assert tr.least_connections(trace) == lc
+    assert hetero.push(trace, equal, "lc") == lc
+    # Metrics on top of the rows, idle share included (it depends on which worker ran what).
+    assert tr.metrics(tr.central(trace), WORKERS) == tr.metrics(central, WORKERS)
