@@ -12,7 +12,7 @@ rows, the shape the measured systems produce, so one set of metrics covers both.
   of the class's idle set: the lowest rank ``round(1000 / speed)``, then, free GPU
   memory being equal, the name); ``random_pick`` is a speed-blind doorbell (any parked
   worker: gpulane's before workers declared speeds, ``SPOP`` of a set);
-  ``earliest_free`` (the worker free longest) is :func:`bench.trace.central`, the
+  ``earliest_free`` (the worker free longest) is :func:`ideal`, the
   equal-worker ideal. A task that waited starts on the first worker to free up, in all.
 - :func:`push`: each task joins one worker's own queue when it arrives, served FCFS by
   that worker. Routers: ``"rr"`` round-robin, ``"lc"`` least connections (fewest
@@ -46,7 +46,7 @@ def fastest(slowdown: Sequence[float]) -> Pick:
 
 def earliest_free(free: list[int], free_at: Sequence[float]) -> int:
     """The worker free longest, then the lowest index: the order of a heap of free
-    servers, :func:`bench.trace.central`'s pick on equal workers."""
+    servers, :func:`ideal`'s pick on equal workers."""
     return min(free, key=lambda k: (free_at[k], k))
 
 
@@ -148,6 +148,28 @@ class Spread:
     p50_median: float  # p50 / ideal p50, median over the seeds
     wait_median: float  # mean wait in the queue (s), median over the seeds
     tail_wait_median: float  # mean wait of the slowest 1 % of tasks (s), median over the seeds
+
+
+def _equal(trace: Trace) -> list[float]:
+    """Slowdowns of ``trace.workers`` equal workers (balancing's pool)."""
+    return [1.0] * trace.workers
+
+
+def ideal(trace: Trace) -> list[Task]:
+    """Ideal central queue on equal workers: FCFS, a free server takes the next task at
+    once (the one free longest, then the lowest index)."""
+    return central(trace, _equal(trace), earliest_free)
+
+
+def round_robin(trace: Trace) -> list[Task]:
+    """Equal workers, task i joins worker i mod k's own queue."""
+    return push(trace, _equal(trace), "rr")
+
+
+def least_connections(trace: Trace) -> list[Task]:
+    """Equal workers, each task joins the queue of the worker with the fewest
+    outstanding tasks, ties round-robin."""
+    return push(trace, _equal(trace), "lc")
 
 
 def waits(tasks: list[Task]) -> tuple[float, float]:

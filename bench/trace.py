@@ -8,13 +8,11 @@ arrivals whose rate puts ``workers`` servers at the requested load. The service 
 and the arrival pattern are drawn once; a load only rescales the gaps, so every load
 and every system runs the very same tasks in the very same order.
 
-The models replay a trace with no overhead at all: :func:`central` is the ideal
-central FCFS queue (M/G/k: the next task goes to the first free server),
-:func:`round_robin` and :func:`least_connections` are push routers that pick a
-worker's own queue when the task arrives. They are :mod:`bench.hetero`'s models at
-slowdown 1 (equal workers), so balancing and mixed replay one implementation. All
-return :class:`Task` rows, the same shape the measured systems produce, so one set of
-metrics covers models and measurements.
+The zero-overhead models that replay a trace are in :mod:`bench.hetero` (workers of
+any speeds; :func:`bench.hetero.ideal`, :func:`bench.hetero.round_robin` and
+:func:`bench.hetero.least_connections` on equal workers). They return :class:`Task`
+rows, the same shape the measured systems produce, so one set of metrics covers
+models and measurements.
 """
 
 from __future__ import annotations
@@ -59,39 +57,6 @@ def make_trace(n: int, workers: int, load: float, mean_s: float = 0.2, seed: int
     rate = load * workers / float(services.mean())  # arrivals per second
     arrivals = np.cumsum(gaps / rate) - gaps[0] / rate
     return Trace(arrivals.tolist(), services.tolist(), workers, load)
-
-
-def _equal(trace: Trace) -> list[float]:
-    """Slowdowns of ``trace.workers`` equal workers."""
-    return [1.0] * trace.workers
-
-
-# The three models are :mod:`bench.hetero`'s on equal workers, one implementation for
-# both scenarios. hetero builds on this module's Trace and Task, hence the imports
-# inside the functions.
-
-
-def central(trace: Trace) -> list[Task]:
-    """Ideal central queue: FCFS, a free server takes the next task at once (the one
-    free longest, then the lowest index)."""
-    from bench import hetero
-
-    return hetero.central(trace, _equal(trace), hetero.earliest_free)
-
-
-def round_robin(trace: Trace) -> list[Task]:
-    """Task i joins worker i mod k's own queue."""
-    from bench import hetero
-
-    return hetero.push(trace, _equal(trace), "rr")
-
-
-def least_connections(trace: Trace) -> list[Task]:
-    """Each task joins the queue of the worker with the fewest outstanding tasks, ties
-    round-robin."""
-    from bench import hetero
-
-    return hetero.push(trace, _equal(trace), "lc")
 
 
 @dataclass(frozen=True)

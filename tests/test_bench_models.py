@@ -1,8 +1,9 @@
 """balancing's equal-worker models are mixed's (bench.hetero) at slowdown 1.
 
 bench/trace.py's ``central``, ``round_robin`` and ``least_connections`` once had their
-own implementations; they now call bench/hetero.py's. The references below are those
-former implementations, kept here as oracles: on fixed seeds and several loads, the
+own implementations; they are now bench/hetero.py's ``ideal``, ``round_robin`` and
+``least_connections`` on equal workers. The references below are those former
+implementations, kept here as oracles: on fixed seeds and several loads, the
 models must give the very same rows (start, end, worker and queue of every task), so
 balancing's reports did not change with the refactor.
 """
@@ -61,11 +62,11 @@ def test_equal_worker_models_are_hetero_at_slowdown_1(seed: int, load: float) ->
     central = reference_central(trace)
     rr = reference_push(trace, round_robin=True)
     lc = reference_push(trace, round_robin=False)
-    assert tr.central(trace) == central
+    assert hetero.ideal(trace) == central
     assert hetero.central(trace, equal, hetero.earliest_free) == central
-    assert tr.round_robin(trace) == rr
+    assert hetero.round_robin(trace) == rr
     assert hetero.push(trace, equal, "rr") == rr
-    assert tr.least_connections(trace) == lc
+    assert hetero.least_connections(trace) == lc
     assert hetero.push(trace, equal, "lc") == lc
     # Metrics on top of the rows, idle share included (it depends on which worker ran what).
-    assert tr.metrics(tr.central(trace), WORKERS) == tr.metrics(central, WORKERS)
+    assert tr.metrics(hetero.ideal(trace), WORKERS) == tr.metrics(central, WORKERS)

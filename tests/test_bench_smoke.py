@@ -51,10 +51,12 @@ def test_mixed_models_reduce_to_balancing_on_equal_speeds() -> None:
         return [(t.created, t.started, t.ended) for t in tasks]
 
     # Which free worker takes a task differs (lowest index, earliest freed); times do not.
-    assert times(hetero.central(trace, speeds, hetero.fastest(speeds))) == times(tr.central(trace))
-    assert times(hetero.central(trace, speeds, hetero.random_pick(1))) == times(tr.central(trace))
-    assert hetero.push(trace, speeds, "rr") == tr.round_robin(trace)
-    assert hetero.push(trace, speeds, "lc") == tr.least_connections(trace)
+    assert times(hetero.central(trace, speeds, hetero.fastest(speeds))) == times(
+        hetero.ideal(trace)
+    )
+    assert times(hetero.central(trace, speeds, hetero.random_pick(1))) == times(hetero.ideal(trace))
+    assert hetero.push(trace, speeds, "rr") == hetero.round_robin(trace)
+    assert hetero.push(trace, speeds, "lc") == hetero.least_connections(trace)
     slow = hetero.central(trace, [2.0] * 4, hetero.fastest([2.0] * 4))
     assert [t.ended - t.started for t in slow] == pytest.approx([2 * s for s in trace.services])
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import hetero
 from bench import trace as tr
 from bench.harness import Stack
 from bench.replay import System, replay_systems, started
@@ -74,9 +75,9 @@ def measure(size: Size) -> dict[float, dict[str, Any]]:
         for load in LOADS:
             trace = tr.make_trace(size.tasks, size.workers, load, size.mean_s)
             runs: dict[str, Any] = replay_all(systems, trace)
-            runs["ideal"] = tr.central(trace)
-            runs["rr_model"] = tr.round_robin(trace)
-            runs["lc_model"] = tr.least_connections(trace)
+            runs["ideal"] = hetero.ideal(trace)
+            runs["rr_model"] = hetero.round_robin(trace)
+            runs["lc_model"] = hetero.least_connections(trace)
             results[load] = {"trace": trace, "runs": runs}
     return results
 
