@@ -177,7 +177,7 @@ def test_a_real_worker_passes_its_probes_until_it_stops(
     it is neither."""
     path = tmp_path / "health.json"
     worker = start_worker(env={"GPULANE_HEALTH_FILE": str(path)})  # returns once serving
-    wait_for(path.exists, 2, what="the first health file")
+    wait_for(path.exists, 10, what="the first health file")
     env = {
         "GPULANE_HEALTH_FILE": str(path),
         # The probe's own max age (3 x its heartbeat), not the worker's: 3 s leaves a

@@ -129,7 +129,7 @@ def test_rq_registry_entries_expire_with_the_lease(
     assert r.sismember(keys.RQ_WORKERS, key) and r.sismember(keys.rq_workers_of("batch"), key)
 
     worker.kill()  # no API and no other worker: no reaper runs
-    wait_for(lambda: not r.exists(key), 3, what="the worker's RQ hash to expire")
+    wait_for(lambda: not r.exists(key), 10, what="the worker's RQ hash to expire")
     assert worker_lines(rq_info(redis_url, "--raw")) == {}
     assert r.scard(keys.RQ_WORKERS) == 0 and r.scard(keys.rq_workers_of("batch")) == 0
 
