@@ -4,15 +4,19 @@ subprocess with CUDA hidden; a worker is `starting` until its own types are publ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from conftest import WorkerFactory, make_settings
+from redis.asyncio import Redis as AsyncRedis
 
+from dispatcher.api.catalog import Catalog
 from dispatcher.contract import keys
 from testkit import CLI, REPO, TEST_TASKS, ApiServer, free_port, run_cli, wait_for, worker_env
 
@@ -112,7 +116,7 @@ def test_api_processes_started_together_publish_the_catalog_once(
         )
     try:
         published = "published the catalog of ['counted_tasks']"
-        by_another = "the catalog of ['counted_tasks'] was published by another API process"
+        by_another = "the catalog of ['counted_tasks'] was published by another process of this API"
 
         def every_process_done() -> bool:
             text = log.read_text()
@@ -123,7 +127,8 @@ def test_api_processes_started_together_publish_the_catalog_once(
         assert text.count(published) == 1 and text.count(by_another) == 2, text
         assert imports.read_text() == "imported\n"  # one catalog subprocess, not three
         assert r.hexists(keys.CATALOG, "test.counted")
-        assert not r.keys(keys.catalog_publisher("*"))  # the publisher let go
+        marks = r.keys(keys.catalog_publisher("*", "*"))  # one, for this API's processes
+        assert len(marks) == 1 and r.get(marks[0]) == b"done"
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
             for _ in range(6):  # whichever process answers knows the type
                 reply = http.post("/tasks", json={"type": "test.counted"})
@@ -131,3 +136,27 @@ def test_api_processes_started_together_publish_the_catalog_once(
     finally:
         api.terminate()
         api.wait(15)
+
+
+def test_a_sibling_starting_after_the_publication_reuses_it(
+    redis_url: str, r: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes of one API start staggered (a loaded machine, a supervisor restarting
+    one): a sibling that starts once the publication is done does not run it again."""
+    imports = tmp_path / "imports"
+    (tmp_path / "counted_tasks.py").write_text(COUNTED.format(log=str(imports)))
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{tmp_path}")  # the catalog subprocess's path
+
+    async def start_one() -> set[str]:
+        client = AsyncRedis.from_url(redis_url)
+        catalog = Catalog(client)
+        catalog.publish_configured(["counted_tasks"])
+        await catalog._published()
+        known = set(catalog.types)
+        await catalog.close()
+        await client.aclose()
+        return known
+
+    assert "test.counted" in asyncio.run(start_one())
+    assert "test.counted" in asyncio.run(start_one())  # one after the other, same parent
+    assert imports.read_text() == "imported\n"

@@ -9,9 +9,10 @@ type.
 At start (``catalog_on_start``) the API also publishes the catalog of the configured
 ``task_modules`` from a subprocess of worker code (:mod:`dispatcher.contract.catalog`),
 so a fresh deployment knows its types before any worker is ready. A lookup that misses
-while that is under way waits for it. API processes started together (``api_workers``)
-run that subprocess once: the first to take ``gpulane:catalog:publisher:<digest>``
-publishes, the others wait for it to finish and read what it published.
+while that is under way waits for it. The processes of one API (``api_workers``: one
+host and parent process) run that subprocess once: the first to take
+``gpulane:catalog:publisher:<digest>:<host>:<parent pid>`` publishes, the others wait
+for it to finish and read what it published.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +41,9 @@ log = logging.getLogger("gpulane.api")
 
 _MAX_ERRORS = 5
 PUBLISH_TIMEOUT_S = 60.0  # importing task modules (torch...) may take a while
-_LOCK_MS = int((PUBLISH_TIMEOUT_S + 10) * 1000)  # outlives the subprocess it guards
-_POLL_S = 0.1  # how often a process waiting for another's publication looks
+_PUBLISHING_MS = int((PUBLISH_TIMEOUT_S + 10) * 1000)  # outlives the subprocess it guards
+_DONE_MS = 600_000  # siblings starting (or restarted) within 10 min reuse a publication
+_POLL_S = 0.1  # how often a process waiting for a sibling's publication looks
 
 
 @dataclass(frozen=True)
@@ -122,22 +125,29 @@ class Catalog:
         self._publishing = asyncio.create_task(self._publish(modules), name="gpulane-catalog")
 
     async def _publish(self, modules: list[str]) -> None:
-        """Publish ``modules``' types, or wait for the API process that does: processes
-        started together (``api_workers``) run one catalog subprocess between them."""
+        """Publish ``modules``' types, or wait for the process that does: the processes
+        of one API (``api_workers``, or one restarted by its supervisor: the same host
+        and parent process) run one catalog subprocess between them, however far
+        apart they start."""
         digest = hashlib.sha256("\n".join(sorted(modules)).encode()).hexdigest()[:16]
-        lock = keys.catalog_publisher(digest)
+        mark = keys.catalog_publisher(digest, f"{socket.gethostname()}:{os.getppid()}")
         try:
-            if await self._client.set(lock, str(os.getpid()), nx=True, px=_LOCK_MS):
+            if await self._client.set(mark, "publishing", nx=True, px=_PUBLISHING_MS):
+                done = False
                 try:
                     await self._run_subprocess(modules)
+                    done = True
                 finally:
-                    # Still ours: the subprocess is killed at PUBLISH_TIMEOUT_S, within
-                    # the lock's TTL. (If Redis is gone, the TTL frees it.)
+                    # A failure leaves no mark: the next sibling to start tries again.
+                    # (With Redis gone, the TTL frees it.)
                     with contextlib.suppress(RedisError):
-                        await self._client.delete(lock)
+                        if done:
+                            await self._client.set(mark, "done", px=_DONE_MS)
+                        else:
+                            await self._client.delete(mark)
             else:
-                await self._other_publisher(lock)
-                log.info("the catalog of %s was published by another API process", modules)
+                await self._sibling_publishes(mark)
+                log.info("the catalog of %s was published by another process of this API", modules)
             await self.refresh()
         except (CatalogError, OSError) as exc:
             log.warning("could not publish the configured task catalog: %s", exc)
@@ -150,11 +160,11 @@ class Catalog:
             await self._client.hset(keys.CATALOG, mapping=entries)  # type: ignore[arg-type]
         log.info("published the catalog of %s: %s", modules, sorted(entries))
 
-    async def _other_publisher(self, lock: str) -> None:
-        """Until the process holding ``lock`` is done (its key goes, or expires)."""
+    async def _sibling_publishes(self, mark: str) -> None:
+        """Until the sibling process that took ``mark`` is done (or its TTL ran out)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _LOCK_MS / 1000
-        while await self._client.exists(lock) and loop.time() < deadline:
+        deadline = loop.time() + _PUBLISHING_MS / 1000
+        while await self._client.get(mark) == b"publishing" and loop.time() < deadline:
             await asyncio.sleep(_POLL_S)
 
     async def _published(self) -> None:

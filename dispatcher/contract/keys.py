@@ -29,11 +29,12 @@ gpulane's keys::
     gpulane:file:<id>                STRING uploaded document bytes; deleted at the end
     gpulane:catalog                  HASH   task type -> JSON {schema, description, ...}
                                             as published by the workers serving it
-    gpulane:catalog:publisher:<digest>
-                                     STRING the API process publishing the catalog of
-                                            the task_modules whose digest this is (SET
-                                            NX PX): N processes started together run
-                                            one catalog subprocess, not N
+    gpulane:catalog:publisher:<digest>:<host>:<ppid>
+                                     STRING "publishing" | "done": the catalog of the
+                                            task_modules whose digest this is, by one
+                                            process of the API whose processes share
+                                            that host and parent (SET NX PX): N
+                                            processes run one catalog subprocess
     gpulane:workers                  ZSET   worker name -> lease deadline (ms, Redis clock)
     gpulane:worker:<name>            HASH   what a worker is and does (GET /workers)
     gpulane:inflight:<name>:<class>  LIST   the task the worker holds (0 or 1 id, or a
@@ -161,7 +162,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
     "gpu_claim": (_P + "gpu:", ("uuid", "slot"), ""),
-    "catalog_publisher": (_P + "catalog:publisher:", ("digest",), ""),
+    "catalog_publisher": (_P + "catalog:publisher:", ("digest", "group"), ""),
 }
 
 
@@ -254,8 +255,8 @@ def gpu_claim(uuid: str, slot: int) -> str:
     return _build("gpu_claim", uuid, str(slot))
 
 
-def catalog_publisher(digest: str) -> str:
-    return _build("catalog_publisher", digest)
+def catalog_publisher(digest: str, group: str) -> str:
+    return _build("catalog_publisher", digest, group)
 
 
 def lua_prelude() -> str:
