@@ -82,7 +82,12 @@ def test_five_workers_share_four_gpus_and_the_waiter_takes_a_freed_card(
     waiting = _workers(http)[waiter]
     assert waiting["device"] is None and "waiting for a free GPU" in waiting["reason"]
     waiter_proc = next(p for p in procs if p.name == waiter)
-    assert "waiting for a free GPU: all 4 GPUs claimed" in waiter_proc.output()
+    # The log line may trail the state it describes (published first): wait for it.
+    wait_for(
+        lambda: "waiting for a free GPU: all 4 GPUs claimed" in waiter_proc.output(),
+        10,
+        what="the waiting worker's log line",
+    )
     classes = {c["name"]: c for c in http.get("/queues").json()["classes"]}
     assert classes["batch"]["workers"] == 4  # the waiting one is not capacity
 
@@ -163,8 +168,13 @@ def test_a_lost_claim_is_retaken_or_ends_the_worker(
     worker = start_worker("claimant", extra=GPU, env=fake_gpu_env(1))
     [key] = _claims(r)
     r.delete(key)  # expired while the worker stalled, and nobody took it: taken again
-    wait_for(lambda: r.get(key) == b"claimant", 5, what="the claim to be taken again")
-    assert "GPU claim had expired; taken again" in worker.output()
+    wait_for(lambda: r.get(key) == b"claimant", 10, what="the claim to be taken again")
+    # Logged once the renewal's reply is back, after Redis holds the claim: wait for it.
+    wait_for(
+        lambda: "GPU claim had expired; taken again" in worker.output(),
+        10,
+        what="the worker to say it took the claim again",
+    )
     r.set(key, "intruder", px=60_000)  # someone else holds the card now
     assert worker.process.wait(20) == EXIT_UNHEALTHY, worker.output()
     assert "was taken by intruder" in worker.output()
