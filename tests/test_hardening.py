@@ -34,6 +34,8 @@ def _nested(depth: int) -> object:
     [
         '{"type": "echo", "args": {"x": NaN}}',
         '{"type": "echo", "args": {"x": [1, -Infinity]}}',
+        '{"type": "echo", "args": {"x": 1e999}}',  # past float's range: an infinity
+        '{"type": "echo", "args": {"x": -1.5e400}}',
         '{"type": "sleep", "args": {"seconds": NaN}}',
         '{"type": "echo", "args": {"x": "\\ud800"}}',
         '{"type": "echo", "args": {"\\udfff": 1}}',

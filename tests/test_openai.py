@@ -5,7 +5,9 @@ OpenAI's error shapes and statuses."""
 from __future__ import annotations
 
 import base64
+import json
 import math
+import socket
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +21,7 @@ from support.catalog import tenant
 from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
 from dispatcher.contract.settings import ClassConfig
-from testkit import ApiServer
+from testkit import ApiServer, wait_for
 
 pytestmark = requires_models
 
@@ -108,6 +110,25 @@ def test_bad_requests_get_openai_errors(
     assert len(error["message"]) < 300  # never echoes a large input back
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"input": "x"}',  # no model: a bad request, not an unknown model (404)
+        '{"model": "' + MODEL + '", "input": "\\ud800x"}',  # a lone surrogate
+        '{"model": "' + MODEL + '", "input": "x", "user": 1e999}',  # past float's range
+    ],
+)
+def test_bodies_the_sdk_cannot_send_are_400(api: ApiServer, body: str) -> None:
+    response = httpx.post(
+        f"{api.url}/v1/embeddings",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_request"
+
+
 def test_a_wrong_key_is_an_authentication_error(api: ApiServer) -> None:
     bad = openai.OpenAI(base_url=f"{api.url}/v1", api_key="sk-wrong", max_retries=0)
     with bad, pytest.raises(openai.AuthenticationError) as raised:
@@ -131,15 +152,43 @@ def test_no_worker_is_a_503_with_retry_after(api: ApiServer) -> None:
 def test_a_refusal_leaves_no_task_behind(
     redis_url: str, known_embed: None, r: redis.Redis, api_factory: Callable[..., ApiServer]
 ) -> None:
-    # Room for 2 of 3 inputs: the whole request is refused and the 2 accepted tasks are
-    # canceled, so nothing runs that nobody will read.
-    classes = {"interactive": ClassConfig(max_queued=2, reject_without_workers=False)}
+    # Room for 2 of 3 inputs (one task already queued): the whole request is refused
+    # and the 2 accepted tasks are canceled, so nothing runs that nobody will read.
+    classes = {"interactive": ClassConfig(max_queued=3, reject_without_workers=False)}
     api = api_factory(make_settings(redis_url, classes=classes, default_class="interactive"))
-    response = httpx.post(
-        f"{api.url}/v1/embeddings", json={"model": MODEL, "input": ["a", "b", "c"]}, timeout=10
-    )
+    queued = httpx.post(f"{api.url}/tasks", json={"type": "echo"}, timeout=10)
+    assert queued.status_code == 202, queued.text
+    url, body = f"{api.url}/v1/embeddings", {"model": MODEL, "input": ["a", "b", "c"]}
+    response = httpx.post(url, json=body, timeout=10)
     assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
-    assert r.llen("rq:queue:interactive") == 0
+    assert r.lrange("rq:queue:interactive", 0, -1) == [queued.json()["id"].encode()]
+    # More inputs than the class ever queues: no retry could fit them, so no 503.
+    never = httpx.post(url, json={**body, "input": ["a"] * 4}, timeout=10)
+    assert never.status_code == 400, never.text
+    assert never.json()["error"]["code"] == "invalid_request" and "retry-after" not in never.headers
+
+
+def test_a_client_that_leaves_cancels_its_tasks(
+    redis_url: str, known_embed: None, r: redis.Redis, api_factory: Callable[..., ApiServer]
+) -> None:
+    """No worker serves the class: the tasks stay queued until the client hangs up,
+    and then nobody would read them."""
+    api = api_factory(make_settings(redis_url, openai_class="batch"))
+    body = json.dumps({"model": MODEL, "input": ["a", "b", "c"]}).encode()
+    head = (
+        f"POST /v1/embeddings HTTP/1.1\r\nHost: gpulane\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", api.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        wait_for(lambda: r.llen("rq:queue:batch") == 3, 10, what="the 3 tasks queued")
+    ids = [i.decode() for i in r.lrange("rq:queue:batch", 0, -1)]  # the client has left
+    wait_for(
+        lambda: all(r.hget(f"rq:job:{i}", "status") == b"canceled" for i in ids),
+        10,
+        what="the tasks of a client that left to be canceled",
+    )
+    assert r.llen("rq:queue:batch") == 0
 
 
 def test_a_key_without_the_class_is_refused(

@@ -29,7 +29,7 @@ from dispatcher.api.store import Submission
 from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
 
-__all__ = ["limited_body", "parse_submission"]
+__all__ = ["check_value", "limited_body", "loads_strict", "parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
@@ -81,18 +81,29 @@ def _invalid(message: str, **extra: Any) -> ApiError:
 
 
 class _NonFinite:
-    """What ``NaN``, ``Infinity`` and ``-Infinity`` parse to: refused by :func:`_check`
-    (they are not JSON, and a task or a record could not carry them)."""
+    """What ``NaN``, ``Infinity``, ``-Infinity`` and numbers past float's range parse
+    to: refused by :func:`check_value` (they are not JSON, or a task or a record could
+    not carry them)."""
 
     def __init__(self, text: str) -> None:
         self.text = text
 
 
-def _loads(text: str | bytes) -> Any:
-    return json.loads(text, parse_constant=_NonFinite)
+def _number(text: str) -> float | _NonFinite:
+    """A JSON number with a fraction or exponent; one past float's range (``1e999``)
+    would parse to an infinity that the record could not carry back."""
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
 
 
-def _check(value: Any, where: str = "body", depth: int = 0) -> None:
+def loads_strict(text: str | bytes) -> Any:
+    """JSON as the API takes it: NaN, infinities and numbers past float's range parse
+    to markers that :func:`check_value` refuses. Raises ValueError (or RecursionError)
+    for what is not JSON at all."""
+    return json.loads(text, parse_constant=_NonFinite, parse_float=_number)
+
+
+def check_value(value: Any, where: str = "body", depth: int = 0) -> None:
     """Refuse (422) what cannot round-trip through Redis, the worker and the record:
     nesting past ``_MAX_DEPTH``, NaN or infinities, strings (keys included) that are
     not valid Unicode (lone surrogates)."""
@@ -107,17 +118,17 @@ def _check(value: Any, where: str = "body", depth: int = 0) -> None:
             raise _invalid(f"A string is not valid Unicode (a lone surrogate?) ({where}).") from exc
     elif isinstance(value, list):
         for item in value:
-            _check(item, where, depth + 1)
+            check_value(item, where, depth + 1)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check(key, where, depth + 1)
-            _check(item, f"{where}.{key}"[:80] if depth == 0 else where, depth + 1)
+            check_value(key, where, depth + 1)
+            check_value(item, f"{where}.{key}"[:80] if depth == 0 else where, depth + 1)
 
 
 async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
     body = await _limited(request, settings.max_body_bytes, "request body").body()
     try:
-        fields = _loads(body)
+        fields = loads_strict(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
     if not isinstance(fields, dict):
@@ -168,7 +179,7 @@ async def _form_fields(
             )
     if "args" in fields:
         try:
-            fields["args"] = _loads(fields["args"])
+            fields["args"] = loads_strict(fields["args"])
         except (ValueError, RecursionError) as exc:
             raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
     if "timeout_s" in fields:
@@ -295,7 +306,7 @@ async def parse_submission(
 ) -> Submission:
     """Read and validate a submission; raise :class:`ApiError` with a clear message."""
     fields, upload = await _read(request, settings)
-    _check(fields)
+    check_value(fields)
     cls = _class(fields, principal, settings)
     info = await _task_type(fields, upload, settings, catalog)
     gpu_memory_mb = _gpu_memory(fields, info.gpu_memory_mb, settings.max_gpu_memory_mb)

@@ -257,11 +257,15 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
     client disconnects. Call it once the request body has been read."""
     job = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(receive))
+    left = False
     try:
         await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        # Decided here, not from job.cancelled() below: a canceled gather() ends with
+        # a CancelledError *result*, not as canceled, and would raise it to the route.
+        left = not job.done()
     finally:
         gone.cancel()
         if not job.done():  # the client left (or we were canceled): its watch goes now
             job.cancel()
             await asyncio.gather(job, return_exceptions=True)
-    return None if job.cancelled() else job.result()  # result() raises what work raised
+    return None if left else job.result()  # result() raises what work raised

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import struct
 from typing import Any
 
@@ -27,7 +26,7 @@ from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.routes.tasks import refusal
 from dispatcher.api.store import Submission, SubmitResult
-from dispatcher.api.submission import limited_body
+from dispatcher.api.submission import check_value, limited_body, loads_strict
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, TaskStatus
 
@@ -191,9 +190,12 @@ def _inputs(body: dict[str, Any], max_chars: int) -> list[str]:
 async def _body(request: Request, svc: Services) -> dict[str, Any]:
     raw = await limited_body(request, svc.settings.openai_max_body_bytes)
     try:
-        body = json.loads(raw)
+        body = loads_strict(raw)
+        check_value(body)  # what POST /tasks refuses (lone surrogates, NaN, nesting)
     except (ValueError, RecursionError) as exc:
         raise _invalid(f"The body is not valid JSON: {str(exc)[:200]}.") from exc
+    except ApiError as exc:
+        raise _invalid(exc.message) from exc  # OpenAI's 400 invalid_request_error
     if not isinstance(body, dict):
         raise _invalid("The body must be a JSON object.")
     unknown = sorted(set(body) - _FIELDS)
@@ -216,6 +218,9 @@ async def _submit_all(
     quota = principal.config.max_in_flight if principal.config else 0
     if quota and len(texts) > quota:  # no retry could ever fit it
         raise _invalid(f"'input' has {len(texts)} items; this key's max_in_flight is {quota}.")
+    room = state.config.max_queued
+    if len(texts) > room:  # nor this: a retry is only worth it when the queue drains
+        raise _invalid(f"'input' has {len(texts)} items; class {cls!r} queues at most {room}.")
     timeout_s = svc.settings.class_timeout_s(cls)
     info = await svc.catalog.lookup(task_type)
     subs = [
@@ -304,8 +309,10 @@ async def _embeddings(request: Request) -> JSONResponse:
     if fmt not in _ENCODINGS:
         raise _invalid(f"'encoding_format' must be one of {list(_ENCODINGS)}.")
     model = body.get("model")
-    models = await _models(svc, model if isinstance(model, str) else None)
-    if not isinstance(model, str) or model not in models:
+    if not isinstance(model, str) or not model:
+        raise _invalid("'model' is required: a model id from GET /v1/models.", "model")
+    models = await _models(svc, model)
+    if model not in models:
         name = str(model)[:100]
         raise ApiError(404, "model_not_found", f"The model {name!r} does not exist.")
     texts = _inputs(body, svc.settings.openai_max_input_chars)
