@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable
 
@@ -84,6 +85,22 @@ def test_non_json_args_form_field(http: httpx.Client, known_types: None) -> None
     )
     body = _error(response, 422, "invalid_request")
     assert "args" in body["message"]
+
+
+def test_multipart_parts_given_twice_or_not_finite_are_422(
+    http: httpx.Client, known_types: None
+) -> None:
+    pdf = ("a.pdf", make_pdf(["x"]), "application/pdf")
+    twice = http.post(
+        "/tasks",
+        files=[("file", pdf), ("args", (None, '{"a": 1}')), ("args", (None, '{"a": 2}'))],
+    )
+    assert twice.status_code == 422 and "given twice" in twice.json()["message"]
+    files = http.post("/tasks", files=[("file", pdf), ("file", pdf)])
+    assert files.status_code in (400, 422)  # more than one file: never a silent pick
+    for text in ("nan", "inf", "1e999"):
+        odd = http.post("/tasks", files={"file": pdf}, data={"timeout_s": text})
+        assert odd.status_code == 422, (text, odd.text)
 
 
 def test_file_rules_per_task_type(http: httpx.Client, known_types: None) -> None:
@@ -192,6 +209,28 @@ def test_redis_down_is_503_store_unavailable(
         assert http.post("/tasks", json={"type": "echo"}).status_code in (202, 503)
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Content-Length: abc\r\n",
+        b"Content-Length: -5\r\n",
+        b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n",
+    ],
+)
+def test_a_request_that_is_not_valid_http_gets_a_json_400(api: ApiServer, head: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", api.port), timeout=5) as sock:
+        sock.sendall(b"POST /tasks HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 400 Bad Request", answer
+    assert b"content-type: application/json" in rest.lower()
+    assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"] == "invalid_request"
+
+
 def test_unknown_route_and_method(http: httpx.Client) -> None:
     _error(http.get("/nope"), 404, "not_found")
+    _error(http.get("/tasks/"), 404, "not_found")  # no redirect to /tasks
+    _error(http.post("/tasks/", json={"type": "echo"}), 404, "not_found")
     _error(http.put("/tasks/x"), 405, "method_not_allowed")

@@ -148,6 +148,9 @@ def test_sigterm_past_the_grace_hands_the_task_back(
     assert leaving.terminate() == 0
     record = http.get(f"/tasks/{task['id']}").json()
     assert record["status"] == "queued" and record["position"] == 0  # back at the head
+    # Its log line says how long it ran here (the grace at least), not 0.
+    [line] = [x for x in leaving.output().splitlines() if "task release" in x]
+    assert float(line.split("elapsed_s=")[1].split()[0].rstrip("]")) >= 0.3, line
     start_worker("staying")
     done = wait_status(http, task["id"], {"succeeded"})
     assert done["worker"] == "staying" and done["attempts"] == 2 and done["error"] is None

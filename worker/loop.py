@@ -175,7 +175,10 @@ class WorkerLoop:
             claimed, outcome = run.claimed, run.outcome
             task_type = run.ctx.task_type if run.ctx else "-"
             status = PUBLIC_STATUS.get(outcome.status, outcome.status)
-            run_s = ((ended_ms or claimed.started_ms) - claimed.started_ms) / 1000
+            if ended_ms is not None:  # Redis' clock, as the record says
+                run_s = (ended_ms - claimed.started_ms) / 1000
+            else:  # handed back or abandoned: how long it ran here
+                run_s = time.monotonic() - run.ctx.started_mono if run.ctx else 0.0
             log.info(
                 "task %s",
                 status,

@@ -167,6 +167,9 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         summary="Queue-based dispatcher for a pool of GPU workers.",
         lifespan=lifespan,
         docs_url=None,  # served from the package instead of a CDN (routes/observe.py)
+        # A path with a trailing slash is not a route: a JSON 404, not a 307 to
+        # follow (and a POST redirected loses nothing only for clients that re-send).
+        redirect_slashes=False,
     )
     install_error_handlers(app)
     for module in (tasks, events, pool, observe, openai):

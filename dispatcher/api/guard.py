@@ -54,6 +54,11 @@ _HEADERS_TIMEOUT = _raw_response(
 _BODY_TIMEOUT = _raw_response(
     b"408 Request Timeout", "request_timeout", "The request body did not arrive in time."
 )
+_MALFORMED = _raw_response(
+    b"400 Bad Request",
+    "invalid_request",
+    "The request is not valid HTTP/1.1 (request line, headers, Content-Length or chunking).",
+)
 _BUSY = _raw_response(
     b"503 Service Unavailable",
     "server_busy",
@@ -107,6 +112,13 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._disarm()
+
+    def send_400_response(self, msg: str) -> None:
+        """What the HTTP parser refuses (a bad Content-Length, both Content-Length and
+        chunked): the API's JSON error body, not uvicorn's plain text."""
+        log.debug("closed a connection whose request was not valid HTTP: %s", msg)
+        self.transport.write(_MALFORMED)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

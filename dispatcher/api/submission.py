@@ -169,6 +169,8 @@ async def _form_fields(
     fields: dict[str, Any] = {}
     upload: UploadFile | None = None
     for name, value in form.multi_items():
+        if name in fields or (name == "file" and upload is not None):
+            raise _invalid(f"The form part {name!r} is given twice.")  # which one counts?
         if name == "file" and isinstance(value, UploadFile):
             upload = value
         elif name in _FIELDS and isinstance(value, str):
@@ -184,7 +186,7 @@ async def _form_fields(
             raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
     if "timeout_s" in fields:
         try:
-            fields["timeout_s"] = float(fields["timeout_s"])
+            fields["timeout_s"] = _number(fields["timeout_s"].strip())
         except ValueError as exc:
             raise _invalid("The 'timeout_s' part is not a number.") from exc
     if "gpu_memory_mb" in fields:

@@ -30,7 +30,7 @@ __all__ = ["refusal", "router"]
 router = APIRouter()
 log = logging.getLogger("gpulane.api")
 
-_DELTA_SECONDS = re.compile(r"[0-9]{1,9}")
+_DELTA_SECONDS = re.compile(r"[0-9]{1,64}")  # any size: clamped to wait_max_s
 # ?wait= as the OpenAPI schema declares it; anything else is a 400.
 _WAIT_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,6})?$"
 _WAIT_FORM = re.compile(_WAIT_PATTERN)
