@@ -34,6 +34,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from redis.connection import parse_url
 
 __all__ = [
     "ClassConfig",
@@ -346,6 +347,20 @@ class Settings(BaseSettings):
     # Logs.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        # Parsed here, as every Redis client of gpulane will parse it, so a mistake stops
+        # every command at start with one line rather than as a traceback at the first
+        # connection. The URL is not echoed: it may hold a password.
+        if value is not None:
+            try:
+                parse_url(value)  # type: ignore[no-untyped-call]
+            except ValueError as exc:
+                example = "redis://host:6379/0 or unix:///path/redis.sock"
+                raise ValueError(f"not a Redis URL ({exc}), e.g. {example}") from None
+        return value
 
     @field_validator("redis_sentinels")
     @classmethod
