@@ -15,6 +15,7 @@ An unknown key anywhere in the file is an error, never silently ignored.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -417,6 +418,17 @@ class Settings(BaseSettings):
         if config:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config)))
         return tuple(sources)
+
+    def environment(self, *names: str) -> dict[str, str]:
+        """``GPULANE_<NAME>`` variables that give a child process these fields' values
+        (unset ones left out): a child reads its settings from the environment, so a
+        value that came from a flag reaches it only this way."""
+        values = self.model_dump(mode="json", include=set(names))
+        return {
+            f"GPULANE_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+            for name, value in values.items()
+            if value is not None
+        }
 
     # Derived values used in several places.
     @property

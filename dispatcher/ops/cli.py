@@ -155,10 +155,7 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK
     # Several processes share the socket; each builds its app from the environment, so
     # the flags given here must reach them there.
-    for key in ("host", "port", "redis_url"):
-        value = getattr(ns, key, None)
-        if value is not None:
-            os.environ[f"GPULANE_{key.upper()}"] = str(value)
+    os.environ.update(settings.environment("host", "port", "redis_url"))
     uvicorn.run(
         "dispatcher.api.app:app_from_environment",
         factory=True,
