@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,8 +17,9 @@ from redis import Redis
 from support.pdf import make_pdf
 from support.up import Up, up_env
 
+from dispatcher.contract import keys
 from dispatcher.ops.embedded_redis import EmbeddedRedis
-from testkit import REPO, run_cli, wait_for
+from testkit import REPO, RedisServer, free_port, run_cli, wait_for
 
 
 @pytest.fixture
@@ -112,6 +114,58 @@ def test_explicit_busy_data_dir_is_refused(env: dict[str, str], tmp_path: Path) 
         assert "in use by another `gpulane up`" in second.stderr
     finally:
         assert first.stop() == 0
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    pairs = (entry.partition(b"=") for entry in raw.split(b"\0") if entry)
+    return {key.decode(): value.decode() for key, _, value in pairs}
+
+
+def test_up_flags_reach_its_children(
+    env: dict[str, str], tmp_path: Path, private_redis: RedisServer
+) -> None:
+    """`--redis-url`, `--host`, `--port`, `--data-dir` given as flags (nothing in the
+    environment): the API and the workers use them too, not their defaults."""
+    data, port = tmp_path / "flags", free_port()
+    up = Up(
+        env,
+        *("--workers", "1", "--redis-url", private_redis.url),
+        *("--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data)),
+    )
+    try:
+        assert up.url() == f"http://127.0.0.1:{port}", up.output()
+        pids = [int(p) for p in re.findall(r"\), pid (\d+)", up.output())]
+        assert len(pids) == 2, up.output()  # the API and the worker; no private Redis
+        for pid in pids:
+            child = _environ(pid)
+            assert child["GPULANE_REDIS_URL"] == private_redis.url
+            assert child["GPULANE_HOST"] == "127.0.0.1"
+            assert child["GPULANE_PORT"] == str(port)
+            assert child["GPULANE_DATA_DIR"] == str(data)
+        # The worker registered in the Redis given, as `up` said it would use.
+        workers = private_redis.client().zrange(keys.WORKERS, 0, -1)
+        assert len(workers) == 1, workers
+        assert not (tmp_path / "gpulane").exists()  # the default data dir: untouched
+    finally:
+        assert up.stop() == 0, up.output()
+
+
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_an_explicit_busy_port_is_refused(env: dict[str, str], given: str) -> None:
+    """A port that was asked for (flag, environment or file) is honoured exactly or not
+    at all; only the default port moves to a free one (see the first test)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        if given == "env":
+            done = run_cli("up", env={**env, "GPULANE_PORT": str(port)})
+        else:
+            done = run_cli("up", "--port", str(port), env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def _alive(pid: int) -> bool:

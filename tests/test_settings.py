@@ -130,3 +130,44 @@ def test_every_command_refuses_a_bad_config(tmp_path: Path, command: str) -> Non
     assert "Traceback" not in done.stderr
     message = done.stderr.strip()
     assert "\n" not in message and "tenants.0.name" in message, message
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://h:6379/0", "rediss://:secret@h:6380/1", "unix:///tmp/r.sock?db=2", "redis://"],
+)
+def test_redis_urls_redis_py_takes_are_accepted(url: str) -> None:
+    assert load_settings(redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("notaurl", "schemes"),
+        ("http://h:6379", "schemes"),
+        ("redis://h:port/0", "Port"),
+        ("redis://h:99999/0", "Port"),
+        ("redis://h/0?socket_timeout=soon", "socket_timeout"),
+    ],
+)
+def test_a_bad_redis_url_is_a_settings_error(url: str, why: str) -> None:
+    with pytest.raises(SettingsError, match=f"redis_url: not a Redis URL.*{why}"):
+        load_settings(redis_url=url)
+
+
+@pytest.mark.parametrize("command", ["api", "worker", "catalog", "up"])
+@pytest.mark.parametrize("given", ["env", "flag"])
+def test_every_redis_command_refuses_a_bad_redis_url(command: str, given: str) -> None:
+    """A real process: the URL is refused at start (exit 2, one line), not by a
+    traceback at the first connection, and a password in it is not echoed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
+    url = "notaurl://:hunter2@h"
+    args = ["--redis-url", url] if given == "flag" else []
+    if given == "env":
+        env["GPULANE_REDIS_URL"] = url
+    done = run_cli(command, *args, env=env)
+    assert done.returncode == EXIT_CONFIG == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    message = done.stderr.strip()
+    assert "\n" not in message and "redis_url: not a Redis URL" in message, message
+    assert "hunter2" not in message

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
 from rq import Queue
@@ -16,7 +18,7 @@ from support.catalog import publish_builtin_catalog
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import ENTRY_POINT
 from dispatcher.contract.settings import ClassConfig
-from testkit import ApiServer, wait_for
+from testkit import ApiServer, run_cli, wait_for, worker_env
 
 
 def _ran(path: Path) -> list[str]:
@@ -184,3 +186,35 @@ def test_worker_is_capacity_as_soon_as_it_registered(
     response = http.post("/tasks", json={"type": "echo", "class": "interactive"})
     assert response.status_code == 202, response.text
     assert wait_status(http, response.json()["id"], {"succeeded"})["worker"] == worker.name
+
+
+@pytest.mark.parametrize(
+    ("modules", "needle"),
+    [
+        ("nosuch.mod", "task module 'nosuch.mod' cannot be imported: ModuleNotFoundError"),
+        ("broken_tasks", "task module 'broken_tasks' cannot be imported: ImportError: needs torch"),
+        ("worker.tasks", "declare no @task"),  # a package with no task in it
+    ],
+)
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_a_worker_without_usable_task_modules_refuses_to_start(
+    redis_url: str, r: redis.Redis, tmp_path: Path, modules: str, needle: str, given: str
+) -> None:
+    """A configuration mistake: exit 2 with one error line naming the module and why,
+    no traceback, and no worker left registered to claim tasks it cannot run."""
+    (tmp_path / "broken_tasks.py").write_text("raise ImportError('needs\\ntorch')\n")
+    env = worker_env(redis_url, heartbeat_interval_s=0.2, lease_ttl_s=1)
+    env["PYTHONPATH"] += f":{tmp_path}"
+    args = ["worker", "--gpu", "none", "--name", "no-tasks", "--classes", "batch"]
+    if given == "flag":
+        args += ["--tasks", modules]
+    else:
+        env["GPULANE_TASK_MODULES"] = json.dumps([modules])
+    done = run_cli(*args, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if needle in line]
+    assert len(errors) == 1, output
+    assert r.zscore(keys.WORKERS, "no-tasks") is None
+    assert not r.exists(keys.worker("no-tasks"))

@@ -18,12 +18,12 @@ __all__ = ["main"]
 
 def main(modules: list[str]) -> int:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from worker.registry import REGISTRY, load_task_modules
+    from worker.registry import REGISTRY, TaskModuleError, load_task_modules
 
     try:
         load_task_modules(modules)
-    except Exception as exc:  # noqa: BLE001 - any import error: say which, no traceback
-        print(f"cannot load task modules {modules}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except TaskModuleError as exc:  # any import error: say which module, no traceback
+        print(f"cannot load task modules: {exc}", file=sys.stderr)
         return 1
     sys.stdout.write("\n" + json.dumps(REGISTRY.catalog(), separators=(",", ":")) + "\n")
     return 0

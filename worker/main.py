@@ -38,7 +38,7 @@ from worker.gpu.devices import Device, DeviceError, discover, pin, select
 from worker.gpu.sampler import DeviceWatch
 from worker.heartbeat import Heartbeat
 from worker.loop import WorkerLoop
-from worker.registry import REGISTRY, load_task_modules
+from worker.registry import REGISTRY, TaskModuleError, load_task_modules
 from worker.state import WorkerState
 
 __all__ = ["run_worker"]
@@ -165,7 +165,20 @@ class _Worker:
         return not self.state.stopping
 
     def serve(self, tasks: list[str]) -> int:
-        load_task_modules(tasks)
+        # Only now, pinned to its device, may task code load (see the module docstring),
+        # so a module that cannot be used is found here rather than before Redis.
+        try:
+            load_task_modules(tasks)
+        except TaskModuleError as exc:
+            log.error("%s", exc, extra={"worker": self.state.name})
+            return EXIT_CONFIG
+        if not REGISTRY.names():  # registered idle, it would claim tasks it cannot run
+            log.error(
+                "task modules %s declare no @task: nothing to serve",
+                tasks,
+                extra={"worker": self.state.name},
+            )
+            return EXIT_CONFIG
         self.state.task_types = REGISTRY.names()
         self.runner.device = self.state.device_json() or {}
         if not self.load_models():

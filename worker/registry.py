@@ -54,6 +54,7 @@ __all__ = [
     "TaskCanceled",
     "TaskContext",
     "TaskFailure",
+    "TaskModuleError",
     "TaskSpec",
     "TaskTimeout",
     "UploadedFile",
@@ -255,7 +256,20 @@ REGISTRY = Registry()
 task = REGISTRY.task
 
 
+class TaskModuleError(Exception):
+    """A task module could not be imported (missing, or failing at import): a
+    configuration mistake. The message is one line naming the module and the error."""
+
+
 def load_task_modules(modules: Iterable[str]) -> None:
-    """Import the modules whose ``@task`` declarations fill :data:`REGISTRY`."""
+    """Import the modules whose ``@task`` declarations fill :data:`REGISTRY`;
+    :class:`TaskModuleError` for the first that cannot be imported."""
     for module in modules:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # any import-time error: the module is unusable as given
+            # One line: the caller prints it as is (a multi-line message is folded).
+            why = " ".join(str(exc).split())
+            raise TaskModuleError(
+                f"task module {module!r} cannot be imported: {type(exc).__name__}: {why}"
+            ) from exc

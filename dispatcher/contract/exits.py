@@ -1,7 +1,8 @@
 """Every exit status gpulane's commands use, in one place.
 
 The command line's (``gpulane submit``, ``status`` and the rest): 0 ok, 1 the task (or
-command) failed, 2 usage or configuration error, 3 the API or Redis was unavailable.
+command) failed, 2 usage or configuration error, 3 the API or Redis was unavailable,
+130 interrupted (Ctrl-C).
 And those of ``gpulane worker`` that mean something to whoever restarts it, which the
 supervisor explains in its status lines (it must not import worker code).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "EXIT_CONFIG",
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_NO_GPU",
     "EXIT_OK",
     "EXIT_RECYCLED",
@@ -25,6 +27,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # the task ended failed or canceled, or the command failed
 EXIT_USAGE = 2  # bad flags or arguments (argparse's own status)
 EXIT_UNAVAILABLE = 3  # the API or Redis could not be reached, or refused the request
+EXIT_INTERRUPTED = 130  # Ctrl-C while `submit --wait` waited (128 + SIGINT, as shells say)
 
 EXIT_CONFIG = 2  # bad flags or configuration, or a name another live worker holds
 EXIT_STUCK = 70  # a task ignored its timeout in native code; it was reported failed

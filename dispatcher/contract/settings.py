@@ -15,6 +15,7 @@ An unknown key anywhere in the file is an error, never silently ignored.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -34,6 +35,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from redis.connection import parse_url
 
 __all__ = [
     "ClassConfig",
@@ -347,6 +349,20 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        # Parsed here, as every Redis client of gpulane will parse it, so a mistake stops
+        # every command at start with one line rather than as a traceback at the first
+        # connection. The URL is not echoed: it may hold a password.
+        if value is not None:
+            try:
+                parse_url(value)  # type: ignore[no-untyped-call]
+            except ValueError as exc:
+                example = "redis://host:6379/0 or unix:///path/redis.sock"
+                raise ValueError(f"not a Redis URL ({exc}), e.g. {example}") from None
+        return value
+
     @field_validator("redis_sentinels")
     @classmethod
     def _host_ports(cls, value: list[str]) -> list[str]:
@@ -402,6 +418,17 @@ class Settings(BaseSettings):
         if config:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config)))
         return tuple(sources)
+
+    def environment(self, *names: str) -> dict[str, str]:
+        """``GPULANE_<NAME>`` variables that give a child process these fields' values
+        (unset ones left out): a child reads its settings from the environment, so a
+        value that came from a flag reaches it only this way."""
+        values = self.model_dump(mode="json", include=set(names))
+        return {
+            f"GPULANE_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+            for name, value in values.items()
+            if value is not None
+        }
 
     # Derived values used in several places.
     @property

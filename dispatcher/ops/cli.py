@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 from dispatcher.contract.exits import (
     EXIT_CONFIG,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -89,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("file", nargs="?", type=Path)
     submit.add_argument("--type")
     submit.add_argument("--class", dest="cls")
-    submit.add_argument("--args", type=json.loads, help="JSON object of arguments")
-    submit.add_argument("--timeout", type=float, help="run-time limit in seconds")
+    # Both read as text and checked in _submit_inputs: a mistake is one line, exit 2.
+    submit.add_argument("--args", help="JSON object of arguments")
+    submit.add_argument("--timeout", help="run-time limit in seconds")
     submit.add_argument("--wait", action="store_true", help="wait and print the result")
     submit.add_argument("--url", help="API URL (default: GPULANE_API_URL or the local `up`)")
 
@@ -155,10 +158,7 @@ def _cmd_api(ns: argparse.Namespace, settings: Settings) -> int:
         return EXIT_OK
     # Several processes share the socket; each builds its app from the environment, so
     # the flags given here must reach them there.
-    for key in ("host", "port", "redis_url"):
-        value = getattr(ns, key, None)
-        if value is not None:
-            os.environ[f"GPULANE_{key.upper()}"] = str(value)
+    os.environ.update(settings.environment("host", "port", "redis_url"))
     uvicorn.run(
         "dispatcher.api.app:app_from_environment",
         factory=True,
@@ -202,15 +202,63 @@ def _api_url(ns: argparse.Namespace, settings: Settings) -> str:
     return str(running["url"]) if running else f"http://{settings.host}:{settings.port}"
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: JSON's grammar, but no float can carry it
+        raise ValueError(f"{text} is too large a number")
+    return value
+
+
+def _submit_inputs(ns: argparse.Namespace) -> tuple[dict[str, Any] | None, float | None]:
+    """``--args`` and ``--timeout`` as the API takes them; ValueError (its message the
+    one line to print) for what the API could never accept or the client never send:
+    NaN and infinities are not JSON, a missing file is a usage mistake, not an outage."""
+    if ns.file is None and ns.type is None:
+        raise ValueError("give a FILE or --type")
+    if ns.file is not None:
+        try:
+            with ns.file.open("rb"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"cannot read {ns.file}: {exc.strerror or exc}") from None
+    args: dict[str, Any] | None = None
+    if ns.args is not None:
+        try:
+            args = json.loads(ns.args, parse_constant=_reject_constant, parse_float=_finite)
+        except ValueError as exc:
+            raise ValueError(f"--args is not valid JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ValueError("--args must be a JSON object, e.g. '{\"seconds\": 1}'")
+    timeout: float | None = None
+    if ns.timeout is not None:
+        try:
+            timeout = float(ns.timeout)
+        except ValueError:
+            timeout = math.nan
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"--timeout takes a positive number of seconds, not {ns.timeout!r}")
+    return args, timeout
+
+
 def _cmd_submit(ns: argparse.Namespace, settings: Settings) -> int:
     from dispatcher.client import Client
     from dispatcher.ops.submit import submit_and_report
 
-    if ns.file is None and ns.type is None:
-        print("gpulane submit: give a FILE or --type", file=sys.stderr)
+    try:
+        args, timeout = _submit_inputs(ns)
+    except ValueError as exc:
+        print(f"gpulane submit: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    with Client(_api_url(ns, settings), settings.api_key) as client:
-        return submit_and_report(client, ns.file, ns.type, ns.cls, ns.args, ns.timeout, ns.wait)
+    try:
+        with Client(_api_url(ns, settings), settings.api_key) as client:
+            return submit_and_report(client, ns.file, ns.type, ns.cls, args, timeout, ns.wait)
+    except KeyboardInterrupt:  # before the API answered (after it, submit_and_report says)
+        print("gpulane submit: interrupted; the task may have been queued", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _cmd_status(ns: argparse.Namespace, settings: Settings) -> int:

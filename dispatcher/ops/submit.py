@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from dispatcher.client import Client, GpulaneError
-from dispatcher.contract.exits import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+from dispatcher.contract.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE
 from dispatcher.contract.jobs import TaskStatus
 
 __all__ = ["submit_and_report"]
@@ -72,7 +72,17 @@ def submit_and_report(
             last = line
 
     # Long-polls of 1 s: the result shows the moment the task ends, progress each second.
-    record = client.wait(task["id"], on_update=show, wait_s=1.0)
+    try:
+        record = client.wait(task["id"], on_update=show, wait_s=1.0)
+    except KeyboardInterrupt:
+        # Only the waiting stops: the task is the API's now, and runs on.
+        end_progress = "\n" if tty else ""  # the progress line has no newline of its own
+        print(
+            f"{end_progress}interrupted: task {task['id']} keeps going "
+            f"(cancel: DELETE /tasks/{task['id']})",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     if tty:
         print(file=sys.stderr)
     print(

@@ -218,7 +218,9 @@ class Supervisor:
         if sock is not None:
             return sock, port
         if "port" in self.settings.model_fields_set:
-            raise UpError(f"port {port} on {host} is in use; pass another --port")
+            # A port that was set (flag, environment, file) is honoured exactly or not at
+            # all: clients were told it. Only the default moves.
+            raise UpError(f"port {port} on {host} is in use; set another (--port, GPULANE_PORT)")
         for candidate in range(port + 1, port + 100):
             sock = _listen(host, candidate)
             if sock is not None:
@@ -267,7 +269,10 @@ class Supervisor:
 
     def _start(self) -> str:
         self._claim_data_dir()
-        env = dict(os.environ)
+        # The children read their settings from the environment: what `up` was given
+        # as flags (`--redis-url`, `--host`...) reaches them only through it. The port
+        # and data directory are the ones taken, which may have moved.
+        env = {**os.environ, **self.settings.environment("redis_url", "host")}
         if not self.settings.redis_remote:
             self.redis = EmbeddedRedis(self.data_dir / "redis", preexec_fn=_child_setup())
             stale = self.redis.stop_stale()
@@ -280,6 +285,7 @@ class Supervisor:
             say(f"redis {describe_redis(self.settings)}")
         self.listener, port = self._bind()
         env["GPULANE_DATA_DIR"] = str(self.data_dir)
+        env["GPULANE_PORT"] = str(port)
         host = self.settings.host
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         fd = self.listener.fileno()
