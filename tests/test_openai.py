@@ -162,10 +162,16 @@ def test_a_refusal_leaves_no_task_behind(
     response = httpx.post(url, json=body, timeout=10)
     assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
     assert r.lrange("rq:queue:interactive", 0, -1) == [queued.json()["id"].encode()]
-    # More inputs than the class ever queues: no retry could fit them, so no 503.
+    # More inputs than the class ever queues: no retry could fit them, so no 503; the
+    # OpenAPI document says so, for client generators and schemathesis.
     never = httpx.post(url, json={**body, "input": ["a"] * 4}, timeout=10)
     assert never.status_code == 400, never.text
     assert never.json()["error"]["code"] == "invalid_request" and "retry-after" not in never.headers
+    spec = httpx.get(f"{api.url}/openapi.json", timeout=10).json()
+    schema = spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]
+    [array] = [b for b in schema["application/json"]["schema"]["properties"]["input"]["oneOf"]
+               if b.get("type") == "array"]  # fmt: skip
+    assert array["maxItems"] == 3
 
 
 def test_a_client_that_leaves_cancels_its_tasks(

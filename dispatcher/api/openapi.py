@@ -5,6 +5,7 @@ knows, so a client generator or schemathesis can rely on it.
   each, its ``args`` schema as the workers published it), the configured classes and
   the ``timeout_s`` range. JSON bodies name the types that take no required file;
   multipart bodies the types that take a file.
+- ``POST /v1/embeddings`` bodies hold at most as many inputs as its class queues.
 - With keys configured, the ``bearer`` security scheme, on every operation that needs
   a key (all but ``/health`` and the dashboard).
 
@@ -108,6 +109,16 @@ def _submit_body(
         }
 
 
+def _embeddings_body(operation: dict[str, Any], settings: Settings) -> None:
+    """``input`` holds no more items than the class ``/v1/embeddings`` submits to ever
+    queues: a longer list is refused (400) however long the client waits."""
+    body = operation["requestBody"]["content"]["application/json"]["schema"]
+    room = settings.classes[settings.openai_task_class].max_queued
+    for branch in body["properties"]["input"]["oneOf"]:
+        if branch.get("type") == "array":
+            branch["maxItems"] = min(branch["maxItems"], room)
+
+
 def _secure(schema: dict[str, Any]) -> None:
     schema.setdefault("components", {})["securitySchemes"] = {
         "bearer": {"type": "http", "scheme": "bearer", "description": "API key"}
@@ -128,6 +139,9 @@ def install_openapi(
         submit = schema["paths"].get("/tasks", {}).get("post")
         if submit is not None:
             _submit_body(submit, types(), settings)
+        embeddings = schema["paths"].get("/v1/embeddings", {}).get("post")
+        if embeddings is not None:
+            _embeddings_body(embeddings, settings)
         if settings.tenants:
             _secure(schema)
         return schema

@@ -309,7 +309,7 @@ async def _embeddings(request: Request) -> JSONResponse:
     if fmt not in _ENCODINGS:
         raise _invalid(f"'encoding_format' must be one of {list(_ENCODINGS)}.")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if not isinstance(model, str):  # ("" names no model: the 404 below)
         raise _invalid("'model' is required: a model id from GET /v1/models.", "model")
     models = await _models(svc, model)
     if model not in models:
