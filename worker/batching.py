@@ -119,10 +119,10 @@ class BatchRunner:
         return item
 
     def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
+        # Cancels that came since the claim (during the batch's wait to fill) mark their
+        # items now, so those never enter a call; later ones find them in runner.batch.
+        self.runner.start_batch([i.ctx for i in pending if i.ctx is not None])
         while pending:
-            # Cancels that came before this round (since the claim, during the batch's
-            # wait to fill) mark their items now, so those never enter the call.
-            self.runner.start_batch([i.ctx for i in pending if i.ctx is not None])
             for item in pending:
                 if item.ctx is not None and item.ctx.cancelled():
                     item.outcome = canceled()

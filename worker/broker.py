@@ -60,7 +60,9 @@ class Report:
 Finished = tuple[FinishVerdict, int | None]
 
 
-def _finished(reply: list[Any]) -> Finished:
+def _finished(reply: Any) -> Finished | RedisError:
+    if isinstance(reply, RedisError):
+        return reply
     verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
     return verdict, int(reply[1]) if verdict == "ok" else None
 
@@ -123,16 +125,29 @@ class Broker:
         return rq_worker_view(info, self.classes, current, self._address, f"gpulane {__version__}")
 
     def _run_acked(self, name: str, opts: str, *payload: bytes | str) -> Any:
-        """A claim or a report that must survive a failover: with ``min_replica_acks``
-        it counts only once that many replicas hold it, else :class:`ReplicaLag` (an
-        outage: the loop retries; claims with ``redeliver``, reports as they are)."""
-        if self._acks == 0:
-            return self._scripts.run(name, opts, *payload)
-        wait = (self._acks, self._ack_timeout_ms)
-        reply, acks = self._scripts.run_acked(name, *wait, opts, *payload)
-        if acks < self._acks:
-            raise ReplicaLag(f"{name}: {acks} of {self._acks} replicas confirmed it in time")
+        """One script that must survive a failover (a claim, a release): its reply, or
+        the error Redis gave it; see :meth:`_run_all_acked`."""
+        reply = self._run_all_acked([(name, (opts, *payload))])[0]
+        if isinstance(reply, RedisError):
+            raise reply
         return reply
+
+    def _run_all_acked(self, calls: Sequence[tuple[str, Sequence[bytes | str]]]) -> list[Any]:
+        """Scripts in one round trip, each atomic on its own (a refused one is its error
+        in the list). With ``min_replica_acks`` they count only once that many replicas
+        hold them: one WAIT after them all, and :class:`ReplicaLag` (an outage: the
+        loop retries; claims with ``redeliver``, reports as they are) carrying the
+        replies when fewer confirmed in time or the WAIT failed."""
+        wait = (self._acks, self._ack_timeout_ms) if self._acks else None
+        replies = self._scripts.run_many(calls, wait)
+        if wait is None:
+            return replies
+        acks = replies.pop()
+        if isinstance(acks, RedisError) or int(acks) < self._acks:
+            names = ",".join(sorted({name for name, _ in calls}))
+            why = f"{names}: {acks} of {self._acks} replicas confirmed it in time"
+            raise ReplicaLag(why, replies)
+        return replies
 
     def _lease_opts(self) -> dict[str, Any]:
         return {**lease_options(self.settings), "worker": self.name}
@@ -242,16 +257,10 @@ class Broker:
         replies, for the whole set (sent again whole: finish.lua answers 'duplicate' to
         an outcome it already holds)."""
         calls = [("finish", (self._finish_options(r), r.result_json)) for r in reports]
-        wait = (self._acks, self._ack_timeout_ms) if self._acks else None
-        replies = self._scripts.run_many(calls, wait)
-        acks = replies.pop() if wait else None
-        finished = [r if isinstance(r, RedisError) else _finished(r) for r in replies]
-        if isinstance(acks, RedisError):
-            raise acks
-        if acks is not None and int(acks) < self._acks:
-            why = f"finish: {acks} of {self._acks} replicas confirmed it in time"
-            raise ReplicaLag(why, list(finished))
-        return finished
+        try:
+            return [_finished(reply) for reply in self._run_all_acked(calls)]
+        except ReplicaLag as exc:
+            raise ReplicaLag(str(exc), [_finished(reply) for reply in exc.replies]) from None
 
     def _finish_options(self, report: Report) -> str:
         task = report.claimed

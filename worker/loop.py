@@ -15,7 +15,7 @@ import time
 from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.connect import refused
+from dispatcher.contract.connect import REFUSED_FOR_NOW, refused, why_refused
 from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
@@ -24,7 +24,7 @@ from worker.broker import Broker, Claimed
 from worker.execute import Outcome, Runner
 from worker.gpu.budget import GpuBudget
 from worker.memory import rss_bytes
-from worker.report import REFUSED_FOR_NOW, Concluded, Reporter, wait_out, why_refused
+from worker.report import Concluded, Reporter, wait_out
 from worker.state import WorkerState
 
 __all__ = ["WorkerLoop"]

@@ -6,21 +6,21 @@ then the lease hands the task to another worker (at-least-once).
 
 A batch's results go in one round trip (``finish.lua`` once per item, pipelined),
 not one per item: a batch of 64 would otherwise spend 64 round trips reporting, more
-than its GPU time when Redis is on another host.
+than its GPU time when Redis is on another host. Hand-backs (shutdown, retry, GPU
+fault: rare) still go one task at a time, last first, to keep their order.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
+from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.connect import ReplicaLag, refused
+from dispatcher.contract.connect import REFUSED_FOR_NOW, ReplicaLag, refused, why_refused
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed, Report
@@ -28,19 +28,11 @@ from worker.execute import Outcome, RunningTask
 from worker.handback import hand_back
 from worker.state import WorkerState
 
-__all__ = ["REFUSED_FOR_NOW", "Concluded", "Reporter", "wait_out", "why_refused"]
+__all__ = ["Concluded", "Reporter", "wait_out"]
 
 log = logging.getLogger("gpulane.worker")
 
-# Redis refused a write whole (script flags) and will take it later: not a script bug.
-REFUSED_FOR_NOW = (OutOfMemoryError, ReadOnlyError)
 _FINAL = ("finished", "failed", "canceled")  # finish.lua records these; the rest go back
-
-
-def why_refused(exc: RedisError) -> str:
-    if isinstance(exc, OutOfMemoryError):
-        return "redis is full (maxmemory)"
-    return "redis is read-only (a replica?)"
 
 
 def wait_out(backoff: Backoff, exc: RedisError, worker: str) -> None:
@@ -89,20 +81,31 @@ class Reporter:
         not recorded here (handed back, abandoned, or recorded by someone else)."""
         ended: list[int | None] = [None] * len(runs)
         pending = [k for k, run in enumerate(runs) if run.outcome.status in _FINAL]
-        finish = partial(self._finish, runs, pending, ended)
-        while pending and not self._attempt(finish, pending[0], runs):
-            pass
+        while pending:
+            try:
+                self._finish(runs, pending, ended)
+            except RedisError as exc:
+                if self._gave_up(exc, [runs[k] for k in pending]):
+                    break
+            else:
+                self.backoff.reset()
         # Last first: tasks handed back at the head of their queue keep their order.
-        for k in reversed(range(len(runs))):
-            run = runs[k]
+        for run in reversed(runs):
             if run.outcome.status == "abandon":
                 log.warning(
                     "task abandoned: its lease was lost; not reported",
                     extra={"worker": self.broker.name, "task": run.claimed.task_id},
                 )
-            elif run.outcome.status not in _FINAL:
-                while not self._attempt(partial(self._hand_back, run), k, runs):
-                    pass
+                continue
+            while run.outcome.status not in _FINAL:
+                try:
+                    self._hand_back(run)
+                except RedisError as exc:
+                    if self._gave_up(exc, [run]):
+                        break
+                else:
+                    self.backoff.reset()
+                    break
         return ended
 
     def _finish(
@@ -153,44 +156,33 @@ class Reporter:
         )
         self.state.mark_unhealthy("redis refused a task report (a script error)")
 
-    def _attempt(self, step: Callable[[], None], k: int, runs: Sequence[Concluded]) -> bool:
-        """Run ``step`` (a report of ``runs[k]``, perhaps with others): True when done or
-        given up, False to run it again (after a wait)."""
-        try:
-            step()
-        except REFUSED_FOR_NOW as exc:
-            # Refused whole (full or read-only): keep the outcome and retry.
+    def _gave_up(self, exc: RedisError, runs: Sequence[Concluded]) -> bool:
+        """After Redis refused a report of ``runs``: True to give them up (a script
+        error; stopping past the grace period), else wait and False to send again."""
+        if refused(exc):
+            for run in runs:
+                self._give_up(run, exc)
+            return True
+        if isinstance(exc, REFUSED_FOR_NOW):  # full or read-only: hold the outcome
             self.state.set("busy", f"{why_refused(exc)}; holding a task's outcome")
-            return self._abandon(exc)
-        except RedisError as exc:
-            if refused(exc):
-                self._give_up(runs[k], exc)
-                return True
-            return self._abandon(exc)
-        self.backoff.reset()
-        return True
+        return self._abandon(exc)
 
     def _hand_back(self, run: Concluded) -> None:
         """Give the task back: at the head (shutdown), at the tail (a retry), or after a
         GPU fault as a lost attempt (it may be the task's doing, so it must not get more
         tries than a task that kills its worker)."""
-        claimed, outcome = run.claimed, run.outcome
-        task_type = run.ctx.task_type if run.ctx else "-"
-        if outcome.status == "lost":
-            why = "task handed back after a GPU fault"
-            hand_back(
-                self.broker,
-                self.recorder,
-                claimed,
-                task_type,
-                at_head=True,
-                fault=outcome.error,
-                why=why,
-            )
-        else:
-            why = f"task given back ({outcome.status})"
-            at_head = outcome.status == "release"
-            hand_back(self.broker, self.recorder, claimed, task_type, at_head=at_head, why=why)
+        outcome, lost = run.outcome, run.outcome.status == "lost"
+        hand_back(
+            self.broker,
+            self.recorder,
+            run.claimed,
+            run.ctx.task_type if run.ctx else "-",
+            at_head=outcome.status != "retry",
+            fault=outcome.error if lost else None,
+            why="task handed back after a GPU fault"
+            if lost
+            else f"task given back ({outcome.status})",
+        )
 
     def _abandon(self, exc: RedisError) -> bool:
         """Wait before retrying a report (False); give up (True) only when stopping past

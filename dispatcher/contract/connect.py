@@ -33,7 +33,16 @@ from redis.sentinel import Sentinel
 
 from dispatcher.contract.settings import Settings
 
-__all__ = ["OUTAGE", "ReplicaLag", "async_client", "describe", "refused", "sync_client"]
+__all__ = [
+    "OUTAGE",
+    "REFUSED_FOR_NOW",
+    "ReplicaLag",
+    "async_client",
+    "describe",
+    "refused",
+    "sync_client",
+    "why_refused",
+]
 
 
 class ReplicaLag(ConnectionError):
@@ -51,6 +60,17 @@ class ReplicaLag(ConnectionError):
 # Redis is unreachable or switching masters: wait and retry. (ReadOnlyError: a demoted
 # master still answering; MasterDownError: a replica lost its master.)
 OUTAGE = (ConnectionError, TimeoutError, BusyLoadingError, ReadOnlyError, MasterDownError)
+# Redis refused a write whole (script flags) and will take it later: not a script bug.
+REFUSED_FOR_NOW = (OutOfMemoryError, ReadOnlyError)
+
+
+def why_refused(exc: RedisError) -> str:
+    """A write refused for now, in words for ``GET /workers``' reason and the logs."""
+    if isinstance(exc, OutOfMemoryError):
+        return "redis is full (maxmemory)"
+    return "redis is read-only (a replica?)"
+
+
 # Error replies that a healthy Redis gives while it cannot write for now.
 _TRANSIENT_REPLIES = ("NOREPLICAS", "MISCONF", "MASTERDOWN", "LOADING", "READONLY", "TRYAGAIN")
 

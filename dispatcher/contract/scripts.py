@@ -186,14 +186,3 @@ class SyncScripts:
             pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
         replies: list[Any] = pipe.execute(raise_on_error=False)
         return replies
-
-    def run_acked(
-        self, name: str, replicas: int, timeout_ms: int, opts: str, *payload: bytes | str
-    ) -> tuple[Any, int]:
-        """Run a script and WAIT on the same connection, in one round trip: (reply,
-        replicas that hold its writes)."""
-        reply, acks = self.run_many([(name, (opts, *payload))], (replicas, timeout_ms))
-        for answer in (reply, acks):
-            if isinstance(answer, Exception):
-                raise answer
-        return reply, int(acks)
