@@ -5,6 +5,7 @@ does not fit the memory free right now waits until it does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import redis
 from conftest import WorkerFactory, submit, wait_status
 from support.pdf import make_pdf
 
+from dispatcher.api.store import Submission, fingerprint
 from dispatcher.contract import keys
 from dispatcher.contract.settings import Settings
 from testkit import fake_gpu_env, wait_for
@@ -146,6 +148,16 @@ def test_an_idempotency_key_tells_gpu_memory_apart(known_types: None, http: http
     assert other.status_code == 422 and other.json()["error"] == "idempotency_key_reused"
 
 
+def test_the_fingerprint_takes_what_the_request_said_not_the_declaration() -> None:
+    """A retry sent without gpu_memory_mb is the same request even if its type's
+    declared memory changed meanwhile (a worker republished the catalog)."""
+    before = Submission("sleep", "batch", {}, 60.0, "t", gpu_memory_mb=0)
+    after = dataclasses.replace(before, gpu_memory_mb=2000)  # the new declaration
+    assert fingerprint(before) == fingerprint(after)
+    asked = dataclasses.replace(before, gpu_memory_mb=2000, gpu_memory_asked=2000)
+    assert fingerprint(asked) != fingerprint(after)
+
+
 def test_catalog_declarations_are_checked(
     known_types: None, r: redis.Redis, settings: Settings, api_factory: Any
 ) -> None:
@@ -160,3 +172,9 @@ def test_catalog_declarations_are_checked(
         assert unknown.status_code == 422 and "test.lots" not in unknown.json()["known"]
         huge = http.post("/tasks", json={"type": "test.huge"})
         assert huge.status_code == 422 and "no card" in huge.json()["message"]
+        # The same rule for /v1/embeddings, whose tasks take the type's declaration.
+        entry = {"schema": schema, "gpu_memory_mb": 10**7, "model": "test/huge-model"}
+        r.hset(keys.CATALOG, "test.huge_model", json.dumps(entry))
+        body = {"model": "test/huge-model", "input": "x"}
+        embedded = http.post("/v1/embeddings", json=body)
+        assert embedded.status_code == 422 and "no card" in embedded.text, embedded.text

@@ -47,6 +47,10 @@ class Submission:
     max_in_flight: int = 0  # the tenant's quota of queued + running tasks; 0: none
     weight: float | None = None  # the tenant's fair-share weight; None: no tenant config
     gpu_memory_mb: int = 0  # GPU memory it needs; 0: any worker can run it
+    # What the request itself said (None: its type's declaration applies). The
+    # idempotency fingerprint takes this: a type republished with another declaration
+    # must not turn a client's retry into a different request.
+    gpu_memory_asked: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,8 @@ def fingerprint(sub: Submission) -> str:
         "file": hashlib.sha256(sub.file_data).hexdigest() if sub.file is not None else None,
         "file_name": sub.file.name if sub.file is not None else None,
     }
-    if sub.gpu_memory_mb:  # only when asked for: keys sent before placement still match
-        canonical["gpu_memory_mb"] = sub.gpu_memory_mb
+    if sub.gpu_memory_asked is not None:  # absent: keys sent before placement still match
+        canonical["gpu_memory_mb"] = sub.gpu_memory_asked
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -29,7 +29,7 @@ from dispatcher.api.store import Submission
 from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
 
-__all__ = ["check_value", "limited_body", "loads_strict", "parse_submission"]
+__all__ = ["check_value", "gpu_memory", "limited_body", "loads_strict", "parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
@@ -208,7 +208,7 @@ def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
     return value
 
 
-def _gpu_memory(fields: dict[str, Any], declared: int, max_mb: int) -> int:
+def gpu_memory(fields: dict[str, Any], declared: int, max_mb: int) -> int:
     """GPU memory the task needs (MB): the request's ``gpu_memory_mb``, else what its
     type declares; more than any card could have is refused here."""
     value = fields.get("gpu_memory_mb")
@@ -311,7 +311,7 @@ async def parse_submission(
     check_value(fields)
     cls = _class(fields, principal, settings)
     info = await _task_type(fields, upload, settings, catalog)
-    gpu_memory_mb = _gpu_memory(fields, info.gpu_memory_mb, settings.max_gpu_memory_mb)
+    gpu_memory_mb = gpu_memory(fields, info.gpu_memory_mb, settings.max_gpu_memory_mb)
     meta, data = await _upload(upload, settings.max_file_bytes)
     return Submission(
         task_type=info.name,
@@ -325,4 +325,5 @@ async def parse_submission(
         max_in_flight=principal.config.max_in_flight if principal.config else 0,
         weight=principal.config.weight if principal.config else None,
         gpu_memory_mb=gpu_memory_mb,
+        gpu_memory_asked=gpu_memory_mb if fields.get("gpu_memory_mb") is not None else None,
     )

@@ -26,7 +26,7 @@ from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.routes.tasks import refusal
 from dispatcher.api.store import Submission, SubmitResult
-from dispatcher.api.submission import check_value, limited_body, loads_strict
+from dispatcher.api.submission import check_value, gpu_memory, limited_body, loads_strict
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, TaskStatus
 
@@ -223,6 +223,8 @@ async def _submit_all(
         raise _invalid(f"'input' has {len(texts)} items; class {cls!r} queues at most {room}.")
     timeout_s = svc.settings.class_timeout_s(cls)
     info = await svc.catalog.lookup(task_type)
+    # A type declaring more GPU memory than any card has is a 422, as for POST /tasks.
+    gpu_mb = gpu_memory({}, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
     subs = [
         Submission(
             task_type,
@@ -232,7 +234,7 @@ async def _submit_all(
             principal.tenant,
             max_in_flight=quota,
             weight=principal.config.weight if principal.config else None,
-            gpu_memory_mb=info.gpu_memory_mb if info else 0,
+            gpu_memory_mb=gpu_mb,
         )
         for t in texts
     ]
