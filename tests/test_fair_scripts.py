@@ -259,6 +259,21 @@ def test_aging_promotes_the_aged_task_itself_under_fair_share(r: redis.Redis) ->
     assert order[4:] == young
 
 
+def test_an_aged_laned_task_whose_lane_index_was_lost_is_still_served(r: redis.Redis) -> None:
+    """The lanes' index lost its tenant (keys lost in a failover, an operator's DEL):
+    charging the turn falls back to the tenant's saved tag instead of failing the
+    claim after the task was already moved."""
+    s = SyncScripts(r)
+    old = submit(s, tenant="a", weight=1)
+    register(s, "w")
+    _age(r, old)
+    urgent = submit(s, "interactive", tenant="a", weight=1)
+    r.delete(keys.lanes("batch"))
+    assert claim(s, "w", aging=AGING) == [old]  # promoted past the interactive task
+    assert r.hget(keys.job(old), "status") == b"started"
+    assert claim(s, "w", aging=AGING) == [urgent]
+
+
 def test_aging_promotes_only_a_head_this_worker_can_hold(r: redis.Redis) -> None:
     s = SyncScripts(r)
     big = submit(s, gpu_mb=40_000)

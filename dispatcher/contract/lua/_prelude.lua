@@ -125,7 +125,9 @@ end
 
 -- Charge tenant t (start tag `tag`) for the task just taken from its lane.
 local function charge(cls, t, tag)
-  local v, _, cost = fair_state(cls, t)
+  local v, saved, cost = fair_state(cls, t)
+  -- No tag (the lanes' index lost the tenant): where a fresh lane of it would start.
+  tag = tag or math.max(v, saved)
   redis.call('HSET', K.fair(cls), 'v', num(math.max(v, tag)))
   if redis.call('LLEN', K.lane(cls, t)) > 0 then
     redis.call('ZADD', K.lanes(cls), num(tag + cost), t)
