@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.api.admission import NO_WORKERS_RETRY_S, estimate_s, pressure, retry_after_s
+from dispatcher.api.admission import (
+    NO_WORKERS_RETRY_S,
+    estimate_s,
+    pressure,
+    retry_after_s,
+    retry_after_wait_s,
+)
 from dispatcher.contract.settings import ClassConfig
 
 CFG = ClassConfig(max_queued=100, max_wait_s=60)
@@ -52,3 +58,14 @@ def test_retry_after_by_depth_limit() -> None:
 
 def test_retry_after_without_workers() -> None:
     assert retry_after_s(5, 1.0, 0, CFG) == NO_WORKERS_RETRY_S
+
+
+def test_retry_after_a_wait_refusal_comes_from_the_estimate_that_refused_it() -> None:
+    cfg = ClassConfig(max_wait_s=10)
+    assert retry_after_wait_s(12.0, cfg) == 2  # 2 s too long: back under it in 2 s
+    assert retry_after_wait_s(10.001, cfg) == 1
+    assert retry_after_wait_s(10**6, cfg) == 3600
+    # Fair share: a small tenant's estimate counts 3 tasks ahead, not the class's 300
+    # (which the depth arithmetic would use: 300 at 0.5/s is 10 minutes).
+    assert retry_after_wait_s((3 / 2 + 1 / 2) * 4 + 4, cfg) == 2
+    assert retry_after_s(300, 4.0, 2, cfg) > 500

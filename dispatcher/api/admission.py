@@ -57,3 +57,10 @@ def retry_after_s(depth: int, run_s: float, workers: int, cfg: ClassConfig) -> i
     excess = depth - max(allowed, 0)
     drain_per_s = workers / run_s
     return int(min(max(math.ceil(excess / drain_per_s), 1), _MAX_RETRY_S))
+
+
+def retry_after_wait_s(estimated_s: float, cfg: ClassConfig) -> int:
+    """Seconds until a wait refused by ``max_wait_s`` (the estimate submit.lua refused,
+    fair order and the cards that fit included) is back under it: the work ahead
+    drains one second of the estimate per second."""
+    return int(min(max(math.ceil(estimated_s - cfg.max_wait_s), 1), _MAX_RETRY_S))

@@ -157,9 +157,14 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErro
             retry_after_s=retry,
         )
     # The queue drains at the whole class's pace; with no card that fits, a bigger one
-    # may join within a lease (NO_WORKERS_RETRY_S).
+    # may join within a lease (NO_WORKERS_RETRY_S). Refused by its wait: the estimate
+    # that refused it says how much too long (under fair share only the tasks fair
+    # order puts ahead count, not the class's whole depth).
     workers = state.workers if state.fitting(sub.gpu_memory_mb) else 0
-    retry = admission.retry_after_s(result.depth, state.run_s, workers, state.config)
+    if result.limit == "wait" and result.estimated_wait_s is not None:
+        retry = admission.retry_after_wait_s(result.estimated_wait_s, state.config)
+    else:
+        retry = admission.retry_after_s(result.depth, state.run_s, workers, state.config)
     headers = {
         **_backpressure(result.depth, result.estimated_wait_s, "full"),
         "Retry-After": str(retry),
