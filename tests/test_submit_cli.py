@@ -9,15 +9,19 @@ import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import WorkerFactory
+from conftest import WorkerFactory, wait_status
 
 from dispatcher.contract.exits import EXIT_INTERRUPTED, EXIT_USAGE
 from testkit import CLI, REPO, ApiServer, free_port, run_cli, wait_for
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("GPULANE_")}
+    # Not PYTHONUNBUFFERED either: an operator's shell has none, and output that must
+    # appear at once (the task id before a long wait) has to flush for itself.
+    drop = ("GPULANE_", "PYTHONUNBUFFERED")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 @pytest.mark.parametrize(
@@ -77,3 +81,5 @@ def test_ctrl_c_while_waiting_leaves_the_task_running(
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     last = text.strip().splitlines()[-1]
     assert re.fullmatch(rf"interrupted: task {task_id} keeps going .*", last), text
+    with httpx.Client(base_url=api.url, timeout=10) as http:  # and it does
+        assert wait_status(http, task_id, {"succeeded", "failed"})["status"] == "succeeded"

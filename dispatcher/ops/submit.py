@@ -52,7 +52,8 @@ def submit_and_report(
     est = task.get("estimated_wait_s")
     print(
         f"{task['id']}  {task['type']} ({task['class']}): {task['status']}, position "
-        f"{task.get('position')}, estimated {'-' if est is None else f'{est:.1f}s'}"
+        f"{task.get('position')}, estimated {'-' if est is None else f'{est:.1f}s'}",
+        flush=True,  # the id, now: a pipe or a file would hold it until the wait ends
     )
     if not wait:
         return EXIT_OK
