@@ -206,7 +206,8 @@ def test_redis_down_is_503_store_unavailable(
             assert int(response.headers["retry-after"]) >= 1
         server.start()  # same port, same AOF: the API recovers by itself
         wait_for(lambda: http.get("/health").status_code == 200, 10, what="API recovery")
-        assert http.post("/tasks", json={"type": "echo"}).status_code in (202, 503)
+        accepted = http.post("/tasks", json={"type": "echo"})
+        assert accepted.status_code == 202, accepted.text  # batch queues with no worker
 
 
 @pytest.mark.parametrize(

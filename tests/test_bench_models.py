@@ -58,15 +58,7 @@ def reference_push(trace: tr.Trace, round_robin: bool) -> list[tr.Task]:
 @pytest.mark.parametrize("load", LOADS)
 def test_equal_worker_models_are_hetero_at_slowdown_1(seed: int, load: float) -> None:
     trace = tr.make_trace(300, WORKERS, load, seed=seed)
-    equal = [1.0] * WORKERS
-    central = reference_central(trace)
-    rr = reference_push(trace, round_robin=True)
-    lc = reference_push(trace, round_robin=False)
-    assert hetero.ideal(trace) == central
-    assert hetero.central(trace, equal, hetero.earliest_free) == central
-    assert hetero.round_robin(trace) == rr
-    assert hetero.push(trace, equal, "rr") == rr
-    assert hetero.least_connections(trace) == lc
-    assert hetero.push(trace, equal, "lc") == lc
-    # Metrics on top of the rows, idle share included (it depends on which worker ran what).
-    assert tr.metrics(hetero.ideal(trace), WORKERS) == tr.metrics(central, WORKERS)
+    # (ideal, round_robin and least_connections are central/push at slowdown 1.)
+    assert hetero.ideal(trace) == reference_central(trace)
+    assert hetero.round_robin(trace) == reference_push(trace, round_robin=True)
+    assert hetero.least_connections(trace) == reference_push(trace, round_robin=False)

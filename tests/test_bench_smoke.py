@@ -55,8 +55,7 @@ def test_mixed_models_reduce_to_balancing_on_equal_speeds() -> None:
         hetero.ideal(trace)
     )
     assert times(hetero.central(trace, speeds, hetero.random_pick(1))) == times(hetero.ideal(trace))
-    assert hetero.push(trace, speeds, "rr") == hetero.round_robin(trace)
-    assert hetero.push(trace, speeds, "lc") == hetero.least_connections(trace)
+    # (round-robin and least connections on equal speeds: tests/test_bench_models.py)
     slow = hetero.central(trace, [2.0] * 4, hetero.fastest([2.0] * 4))
     assert [t.ended - t.started for t in slow] == pytest.approx([2 * s for s in trace.services])
 

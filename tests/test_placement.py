@@ -52,7 +52,8 @@ def test_a_task_too_big_for_a_card_never_runs_there(
     assert listed["small"]["gpu_capacity_mb"] == SMALL  # no models loaded: the whole card
     assert listed["large"]["gpu_capacity_mb"] == LARGE
     assert (listed["small"]["speed"], listed["large"]["speed"]) == (1.0, 2.0)  # as declared
-    # The large card busy with a long task only it can hold: small work goes to the small one.
+    # The large card busy with a long task only it can hold; the small card takes the
+    # rest, test.big too: its 100 MB request overrides the 30,000 MB it declares.
     long = submit(http, "sleep", {"seconds": 60}, gpu_memory_mb=30_000)["id"]
     assert wait_status(http, long, {"running"})["worker"] == "large"
     small_ids = [submit(http, "sleep", {"seconds": 0})["id"] for _ in range(3)]

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import make_settings
 from redis.connection import Connection
 from support.lua import submit
 
@@ -28,11 +27,6 @@ from worker.state import WorkerState
 
 NAME = "report-worker"
 TYPE = "test.batch_echo"  # batched (max size 4): one claim takes the batch
-
-
-@pytest.fixture
-def settings(redis_url: str) -> Settings:
-    return make_settings(redis_url)
 
 
 @pytest.fixture

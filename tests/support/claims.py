@@ -1,7 +1,8 @@
 """The order claims took tasks in, read off Redis itself: claim.lua PUBLISHes a task's id
-on gpulane:events when it starts the task, and nothing publishes a queued task's id
-before that (a submit does not; a cancel, a finish, progress and a hand-back come
-after). Redis runs scripts one at a time and delivers a subscriber's messages in the
+on gpulane:events when it starts the task, and nothing else publishes a queued task's
+id before that (a submit does not; a finish, progress and a hand-back come after),
+except a cancel of a queued task: a test logging claims must not cancel queued tasks
+(the first message would be the cancel's). Redis runs scripts one at a time and delivers a subscriber's messages in the
 order it published them, so the first message naming each id is its claim, in the
 order of the claims: no clocks, no ties."""
 
