@@ -9,13 +9,14 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
 from testkit import FAKE_NVML, wait_for
 from worker.gpu import devices
+from worker.gpu.budget import GpuBudget
 from worker.gpu.devices import (
     CPU,
     Device,
@@ -178,3 +179,30 @@ def test_device_json_shape() -> None:
         "temperature_c": None,
         "power_w": 70.5,
     }
+
+
+class _Watch:
+    def __init__(self, sample: dict[str, Any]) -> None:
+        self.sample = sample
+
+    def latest(self) -> dict[str, Any]:
+        return self.sample
+
+
+def test_free_memory_counts_a_reservation_made_after_the_sample_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PyTorch reserved 6 GiB after the last NVML sample (free in it, cached now): a
+    task can have the card's free memory at the sample, not that plus the cache."""
+    gib = 1024**3
+    card = Device("gpu", 0, "GPU-x", "Fake", memory_total_bytes=80 * gib)
+    sample = {"memory_used_bytes": 10 * gib, "memory_total_bytes": 80 * gib}
+    watch = _Watch({**sample, "torch_reserved_bytes": 2 * gib})  # reserved 2 GiB then
+    budget = GpuBudget(card, watch)  # type: ignore[arg-type]
+    stats = {"reserved_bytes.all.current": 8 * gib, "allocated_bytes.all.current": 2 * gib}
+    cuda = SimpleNamespace(is_initialized=lambda: True, memory_stats=lambda: stats)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    # 70 free at the sample, +6 cached, -6 reserved since: 70 (not 76).
+    assert budget.available_mb() == 70 * 1024
+    watch.sample["torch_reserved_bytes"] = 8 * gib  # a sample taken after it: all 76
+    assert budget.available_mb() == 76 * 1024

@@ -105,6 +105,7 @@ class WorkerLoop:
         policy = self.batches[task_type]
         deadline = time.monotonic() + policy.max_wait_ms / 1000
         poll_s = max(policy.max_wait_ms / 5000, 0.0005)
+        free_mb = self.gpu.available_mb()  # nothing runs while it waits: read it once
         while len(claims) < policy.max_size and time.monotonic() < deadline:
             try:
                 stop, more = self.broker.claim_more(
@@ -112,7 +113,7 @@ class WorkerLoop:
                     task_type,
                     policy.max_size - len(claims),
                     self._device,
-                    self.gpu.available_mb(),
+                    free_mb,
                 )
             except RedisError:
                 self._redeliver = True  # what it took (if anything) comes with the next claim

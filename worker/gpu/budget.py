@@ -7,7 +7,8 @@ Two numbers, both in MB:
   in the worker hash; the API refuses a task no live worker's capacity could hold.
 * ``available_mb()``: what a task could get now, the card's free memory in the latest
   telemetry sample plus what PyTorch's caching allocator holds unused in this process
-  (free for our next task, though NVML counts it as used). Sent with every claim:
+  (free for our next task, though NVML counts it as used), less what PyTorch reserved
+  after the sample (the sampler notes its reservation with each sample). Sent with every claim:
   claim.lua skips tasks that need more, leaving them to a worker with room.
 
 A worker on the ``cpu`` device has no GPU memory to run out of: both are None (no
@@ -21,30 +22,37 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.gpu.devices import Device, DeviceLost, telemetry
-from worker.gpu.sampler import DeviceWatch
 
-__all__ = ["GpuBudget"]
+if TYPE_CHECKING:
+    from worker.gpu.sampler import DeviceWatch
+
+__all__ = ["GpuBudget", "torch_memory"]
 
 log = logging.getLogger("gpulane.worker")
 
 MB = 1024 * 1024
 
 
-def _torch_cache_bytes() -> int:
-    """Bytes PyTorch's allocator holds reserved but unused in this process (0 when
-    torch is not loaded or CUDA not started: never imported or initialised here)."""
+def torch_memory() -> tuple[int, int]:
+    """(reserved, allocated) bytes of PyTorch's caching allocator in this process, from
+    one ``memory_stats()`` (each of ``memory_reserved()``/``memory_allocated()`` builds
+    it whole); (0, 0) when torch is not loaded or CUDA not started (never imported or
+    initialised here)."""
     torch: Any = sys.modules.get("torch")
     if torch is None:
-        return 0
+        return 0, 0
     try:
         if not torch.cuda.is_initialized():
-            return 0
-        return int(torch.cuda.memory_reserved()) - int(torch.cuda.memory_allocated())
+            return 0, 0
+        stats = torch.cuda.memory_stats()
     except (RuntimeError, AttributeError):  # a CUDA error is the health check's business
-        return 0
+        return 0, 0
+    return int(stats.get("reserved_bytes.all.current", 0)), int(
+        stats.get("allocated_bytes.all.current", 0)
+    )
 
 
 class GpuBudget:
@@ -92,5 +100,9 @@ class GpuBudget:
         used, total = sample.get("memory_used_bytes"), sample.get("memory_total_bytes")
         if used is None or total is None:
             return capacity
-        free = int(total) - int(used) + _torch_cache_bytes()
+        reserved, allocated = torch_memory()
+        # What PyTorch reserved since the sample was taken is free in the sample and
+        # also in the cache now: count it once.
+        since = max(reserved - int(sample.get("torch_reserved_bytes", reserved)), 0)
+        free = int(total) - int(used) + (reserved - allocated) - since
         return min(max(free // MB, 0), capacity)

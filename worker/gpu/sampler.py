@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from worker.gpu.budget import torch_memory
 from worker.gpu.devices import Device, DeviceLost, telemetry
 
 __all__ = ["DeviceWatch"]
@@ -79,6 +80,9 @@ class DeviceWatch:
                 self._started_at = time.monotonic()
             try:
                 sample = self._sample(self.device)
+                # With it, what PyTorch held then: a reservation made after the sample
+                # is free in it and must not count twice (GpuBudget.available_mb).
+                sample["torch_reserved_bytes"] = torch_memory()[0]
             except DeviceLost as exc:
                 with self._lock:
                     self._lost = f"{self.device.label} ({self.device.uuid}) is lost: {exc}"
