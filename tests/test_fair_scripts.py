@@ -117,7 +117,7 @@ def test_a_claim_leaves_what_does_not_fit_for_a_bigger_card(r: redis.Redis) -> N
     register(s, "big-card")
     assert claim(s, "small-card", mem=24_000) == [small]  # skipped the head
     assert claim(s, "small-card", mem=24_000) == []  # parks: nothing it can hold
-    assert r.zscore(keys.idle("batch"), "small-card") == park_score(mem=24_000)
+    assert r.zscore(keys.parked("batch"), "small-card") == park_score(mem=24_000)
     assert claim(s, "big-card", mem=80_000) == [big]
     # A worker with no limit (the cpu device) takes anything.
     cpu = submit(s, gpu_mb=500_000)

@@ -77,10 +77,10 @@ def test_claim_is_priority_ordered_and_parks_when_empty(r: redis.Redis) -> None:
     assert _claim(s, "w")[0].decode() == batch
     assert _claim(s, "w") is None
     for cls in ("batch", "interactive"):  # parked (scored by speed and GPU memory)
-        assert r.zscore(keys.idle(cls), "w") is not None
+        assert r.zscore(keys.parked(cls), "w") is not None
     submit(s, "batch")  # rings the parked worker's doorbell and unparks it everywhere
     assert r.llen(keys.wake("w")) == 1
-    assert r.zscore(keys.idle("interactive"), "w") is None
+    assert r.zscore(keys.parked("interactive"), "w") is None
 
 
 def test_cancel_requested_before_a_release_is_kept(r: redis.Redis) -> None:
@@ -131,7 +131,7 @@ def test_unpark_passes_a_taken_doorbell_on(r: redis.Redis) -> None:
     # The rung worker is stopping: it leaves without claiming and passes the bell on.
     assert s.run("unpark", options(worker=rung, classes=CLASSES)) == 1
     assert r.llen(keys.wake(other)) == 1 and r.llen(keys.wake(rung)) == 0
-    assert r.zscore(keys.idle("batch"), rung) is None
+    assert r.zscore(keys.parked("batch"), rung) is None
 
 
 def test_grace_after_an_outage_covers_every_lease(r: redis.Redis) -> None:

@@ -168,20 +168,17 @@ class TaskStore:
         depth = int(reply[2]) + (verdict == "accepted")
         est_ms = int(reply[3])
         est = est_ms / 1000 if est_ms >= 0 else None
-        if verdict == "accepted":
-            return SubmitResult(
-                verdict,
-                _text(reply[1]),
-                depth,
-                est,
-                "queued",
-                sub.cls,
-                sub.task_type,
-                position=int(reply[4]),
-            )
-        limit = _text(reply[4]) if len(reply) > 4 else ""
+        accepted = verdict == "accepted"  # reply[4]: its position, or the limit refused
         return SubmitResult(
-            verdict, _text(reply[1]), depth, est, "queued", sub.cls, sub.task_type, limit
+            verdict,
+            _text(reply[1]),
+            depth,
+            est,
+            "queued",
+            sub.cls,
+            sub.task_type,
+            limit="" if accepted or len(reply) <= 4 else _text(reply[4]),
+            position=int(reply[4]) if accepted else None,
         )
 
     async def get(self, task_id: str, tenant: str | None) -> dict[str, Any] | None:

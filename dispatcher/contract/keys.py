@@ -107,12 +107,12 @@ __all__ = [
     "file",
     "gpu_claim",
     "idem",
-    "idle",
     "inflight",
     "job",
     "lane",
     "lanes",
     "lua_prelude",
+    "parked",
     "queue",
     "queued_bytes",
     "rate",
@@ -150,7 +150,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "file": (_P + "file:", ("task_id",), ""),
     "worker": (_P + "worker:", ("name",), ""),
     "inflight": (_P + "inflight:", ("name", "cls"), ""),
-    "idle": (_P + "parked:", ("cls",), ""),
+    "parked": (_P + "parked:", ("cls",), ""),
     "lane": (_P + "lane:", ("cls", "tenant"), ""),
     "lanes": (_P + "lanes:", ("cls",), ""),
     "fair": (_P + "fair:", ("cls",), ""),
@@ -207,8 +207,8 @@ def inflight(name: str, cls: str) -> str:
     return _build("inflight", name, cls)
 
 
-def idle(cls: str) -> str:
-    return _build("idle", cls)
+def parked(cls: str) -> str:
+    return _build("parked", cls)
 
 
 def lane(cls: str, tenant: str) -> str:

@@ -56,7 +56,7 @@ end
 -- rung; a worker finishing its task, or a parked one's periodic look, takes it.
 local SPEED_BANDS = 16 -- distinct speeds looked through for a task that needs memory
 local function wake(cls, classes, need)
-  local ik = K.idle(cls)
+  local ik = K.parked(cls)
   local w
   need = tonumber(need) or 0
   if need > 0 then
@@ -76,7 +76,7 @@ local function wake(cls, classes, need)
   end
   if w then
     for _, c in ipairs(classes) do
-      if c ~= cls then redis.call('ZREM', K.idle(c), w) end
+      if c ~= cls then redis.call('ZREM', K.parked(c), w) end
     end
     redis.call('LPUSH', K.wake(w), '1')
   end
@@ -364,7 +364,7 @@ local function reap_worker(w, now, o)
       out[#out + 1] = id .. '|' .. c .. '|' .. task_type .. '|' .. outcome
     end
     redis.call('DEL', ik)
-    redis.call('ZREM', K.idle(c), w)
+    redis.call('ZREM', K.parked(c), w)
   end
   redis.call('DEL', K.worker(w), K.wake(w), K.control(w))
   redis.call('ZREM', K.WORKERS, w)

@@ -28,6 +28,10 @@ local o = cjson.decode(ARGV[1])
 local w = o.worker
 local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type',
   'gpu_mb', 'lane'}
+-- A redelivery reads the run's owner and start with them, in the same HMGET.
+local RUN_FIELDS = {unpack(FIELDS)}
+RUN_FIELDS[#RUN_FIELDS + 1] = 'worker_name'
+RUN_FIELDS[#RUN_FIELDS + 1] = 'started_ms'
 local SCAN = 32 -- tasks looked at past one that does not fit this worker's GPU
 local MAX_LANES = 64 -- lanes looked at when none of the first has a task that fits
 local budget = 64 -- task records one claim reads past unfitting heads, in all
@@ -221,7 +225,7 @@ local function with_batch(task, c, t, now)
 end
 
 if o.was_idle then
-  for _, c in ipairs(o.classes) do redis.call('ZREM', K.idle(c), w) end
+  for _, c in ipairs(o.classes) do redis.call('ZREM', K.parked(c), w) end
 end
 
 -- The reply to an earlier claim was lost (a timeout or a reset connection): the task it
@@ -232,10 +236,9 @@ if o.redeliver then
   for _, c in ipairs(o.classes) do
     local out = {}
     for _, id in ipairs(redis.call('LRANGE', K.inflight(w, c), 0, -1)) do
-      local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-      local run = redis.call('HMGET', K.job(id), 'worker_name', 'started_ms')
-      if f[1] == 'started' and run[1] == w then
-        out[#out + 1] = handed(id, c, f, tonumber(f[3]), tonumber(run[2]))
+      local f = redis.call('HMGET', K.job(id), unpack(RUN_FIELDS))
+      if f[1] == 'started' and f[#FIELDS + 1] == w then
+        out[#out + 1] = handed(id, c, f, tonumber(f[3]), tonumber(f[#FIELDS + 2]))
       end
     end
     if #out > 0 then return out end
@@ -260,5 +263,5 @@ for i, c in ipairs(o.classes) do
 end
 
 local score = park_score(o.rank, o.mem)
-for _, c in ipairs(o.classes) do redis.call('ZADD', K.idle(c), score, w) end
+for _, c in ipairs(o.classes) do redis.call('ZADD', K.parked(c), score, w) end
 return nil

@@ -3,7 +3,7 @@
 -- out is passed on: each class with queued work wakes another parked worker.
 -- ARGV[1]: {worker, classes (all configured)}. Returns the number of workers woken.
 local o = cjson.decode(ARGV[1])
-for _, c in ipairs(o.classes) do redis.call('ZREM', K.idle(c), o.worker) end
+for _, c in ipairs(o.classes) do redis.call('ZREM', K.parked(c), o.worker) end
 redis.call('DEL', K.wake(o.worker))
 local woken = 0
 for _, c in ipairs(o.classes) do
