@@ -11,7 +11,6 @@ Uploads are spooled to disk by the multipart parser past 1 MiB.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
@@ -28,8 +27,9 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Submission
 from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
+from dispatcher.contract.strict_json import NonFinite, loads_strict, number
 
-__all__ = ["check_value", "gpu_memory", "limited_body", "loads_strict", "parse_submission"]
+__all__ = ["check_value", "gpu_memory", "limited_body", "parse_submission"]
 
 _FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
@@ -80,36 +80,13 @@ def _invalid(message: str, **extra: Any) -> ApiError:
     return ApiError(422, "invalid_request", message, **extra)
 
 
-class _NonFinite:
-    """What ``NaN``, ``Infinity``, ``-Infinity`` and numbers past float's range parse
-    to: refused by :func:`check_value` (they are not JSON, or a task or a record could
-    not carry them)."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
-def _number(text: str) -> float | _NonFinite:
-    """A JSON number with a fraction or exponent; one past float's range (``1e999``)
-    would parse to an infinity that the record could not carry back."""
-    value = float(text)
-    return value if math.isfinite(value) else _NonFinite(text)
-
-
-def loads_strict(text: str | bytes) -> Any:
-    """JSON as the API takes it: NaN, infinities and numbers past float's range parse
-    to markers that :func:`check_value` refuses. Raises ValueError (or RecursionError)
-    for what is not JSON at all."""
-    return json.loads(text, parse_constant=_NonFinite, parse_float=_number)
-
-
 def check_value(value: Any, where: str = "body", depth: int = 0) -> None:
     """Refuse (422) what cannot round-trip through Redis, the worker and the record:
     nesting past ``_MAX_DEPTH``, NaN or infinities, strings (keys included) that are
     not valid Unicode (lone surrogates)."""
     if depth > _MAX_DEPTH:
         raise _invalid(f"The request nests deeper than {_MAX_DEPTH} levels ({where}).")
-    if isinstance(value, _NonFinite):
+    if isinstance(value, NonFinite):
         raise _invalid(f"{value.text} is not a JSON number ({where}).")
     if isinstance(value, str):
         try:
@@ -186,7 +163,7 @@ async def _form_fields(
             raise _invalid(f"The 'args' part is not valid JSON: {exc}.") from exc
     if "timeout_s" in fields:
         try:
-            fields["timeout_s"] = _number(fields["timeout_s"].strip())
+            fields["timeout_s"] = number(fields["timeout_s"].strip())
         except ValueError as exc:
             raise _invalid("The 'timeout_s' part is not a number.") from exc
     if "gpu_memory_mb" in fields:

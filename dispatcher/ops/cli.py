@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import logging
 import math
 import os
@@ -22,6 +21,7 @@ from dispatcher.contract.exits import (
 )
 from dispatcher.contract.logs import configure_logging
 from dispatcher.contract.settings import Settings, SettingsError, load_settings
+from dispatcher.contract.strict_json import loads_finite
 
 __all__ = ["main"]
 
@@ -202,17 +202,6 @@ def _api_url(ns: argparse.Namespace, settings: Settings) -> str:
     return str(running["url"]) if running else f"http://{settings.host}:{settings.port}"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400: JSON's grammar, but no float can carry it
-        raise ValueError(f"{text} is too large a number")
-    return value
-
-
 def _submit_inputs(ns: argparse.Namespace) -> tuple[dict[str, Any] | None, float | None]:
     """``--args`` and ``--timeout`` as the API takes them; ValueError (its message the
     one line to print) for what the API could never accept or the client never send:
@@ -228,7 +217,7 @@ def _submit_inputs(ns: argparse.Namespace) -> tuple[dict[str, Any] | None, float
     args: dict[str, Any] | None = None
     if ns.args is not None:
         try:
-            args = json.loads(ns.args, parse_constant=_reject_constant, parse_float=_finite)
+            args = loads_finite(ns.args)
         except ValueError as exc:
             raise ValueError(f"--args is not valid JSON: {exc}") from None
         if not isinstance(args, dict):

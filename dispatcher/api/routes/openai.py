@@ -26,9 +26,10 @@ from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.routes.tasks import refusal
 from dispatcher.api.store import Submission, SubmitResult
-from dispatcher.api.submission import check_value, gpu_memory, limited_body, loads_strict
+from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, TaskStatus
+from dispatcher.contract.strict_json import loads_strict
 
 __all__ = ["router"]
 
