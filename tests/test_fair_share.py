@@ -46,18 +46,25 @@ def catalog(r: redis.Redis) -> None:
     publish_catalog(r, TEST_TASKS, "gl_fair_tasks")
 
 
+Tenants = Callable[..., dict[str | None, httpx.Client]]
+
+
 @pytest.fixture
-def clients() -> Iterator[Callable[..., httpx.Client]]:
-    """HTTP clients of an API, as a tenant (a bearer key) or anonymous."""
+def tenants(redis_url: str, api_factory: ApiFactory) -> Iterator[Tenants]:
+    """Start an API with these tenants (and settings): an HTTP client per tenant, by
+    name, each with its bearer key, and an anonymous one under None."""
     opened: list[httpx.Client] = []
 
-    def open_client(api: ApiServer, name: str | None = None) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {_key(name)}"} if name else {}
-        client = httpx.Client(base_url=api.url, headers=headers, timeout=10)
-        opened.append(client)
-        return client
+    def start(*configured: TenantConfig, **settings: Any) -> dict[str | None, httpx.Client]:
+        api = api_factory(make_settings(redis_url, tenants=list(configured), **settings))
+        out: dict[str | None, httpx.Client] = {}
+        for name in [*(t.name for t in configured), None]:
+            headers = {"Authorization": f"Bearer {_key(name)}"} if name else {}
+            out[name] = httpx.Client(base_url=api.url, headers=headers, timeout=10)
+            opened.append(out[name])
+        return out
 
-    yield open_client
+    yield start
     for client in opened:
         client.close()
 
@@ -89,17 +96,15 @@ def _assert_drained(r: redis.Redis, *tenants: str) -> None:
 
 
 def test_a_small_tenant_is_served_next_to_a_backlog(
-    redis_url: str,
     r: redis.Redis,
     catalog: None,
-    api_factory: ApiFactory,
-    clients: Callable[..., httpx.Client],
+    tenants: Tenants,
     start_worker: WorkerFactory,
     claims: ClaimLog,
     tmp_path: Path,
 ) -> None:
-    api = api_factory(make_settings(redis_url, tenants=[_tenant("bulk"), _tenant("small")]))
-    bulk, small = clients(api, "bulk"), clients(api, "small")
+    http = tenants(_tenant("bulk"), _tenant("small"))
+    bulk, small = http["bulk"], http["small"]
     hold = tmp_path / "hold"
     hold.touch()
     free = 20  # bulk's first tasks run; each later one holds its worker while `hold` exists
@@ -160,21 +165,17 @@ def test_a_small_tenant_is_served_next_to_a_backlog(
 
 
 def test_weights_split_a_saturated_pool(
-    redis_url: str,
     r: redis.Redis,
     catalog: None,
-    api_factory: ApiFactory,
-    clients: Callable[..., httpx.Client],
+    tenants: Tenants,
     start_worker: WorkerFactory,
     claims: ClaimLog,
 ) -> None:
-    api = api_factory(
-        make_settings(redis_url, tenants=[_tenant("heavy", weight=3), _tenant("light")])
-    )
+    http = tenants(_tenant("heavy", weight=3), _tenant("light"))
     owner: dict[str, str] = {}
     per_tenant = 200
     for name in ("heavy", "light"):
-        client = clients(api, name)
+        client = http[name]
         for _ in range(per_tenant):
             owner[submit(client, "echo")["id"]] = name
     assert r.llen(keys.queue(CLS)) == 2 * per_tenant  # both tenants' tasks, one list
@@ -201,7 +202,7 @@ def test_weights_split_a_saturated_pool(
 
 
 @pytest.mark.parametrize(
-    ("tenants", "fair_share", "expected"),
+    ("laned", "fair_share", "expected"),
     [
         pytest.param(False, True, "fifo", id="no-tenants"),
         pytest.param(True, False, "fifo", id="fair-share-off"),
@@ -209,23 +210,21 @@ def test_weights_split_a_saturated_pool(
     ],
 )
 def test_without_fair_share_a_class_is_fifo(
-    redis_url: str,
     r: redis.Redis,
     catalog: None,
-    api_factory: ApiFactory,
-    clients: Callable[..., httpx.Client],
+    tenants: Tenants,
     start_worker: WorkerFactory,
     tmp_path: Path,
-    tenants: bool,
+    laned: bool,
     fair_share: bool,
     expected: str,
 ) -> None:
-    configured = [_tenant("a"), _tenant("b")] if tenants else []
-    api = api_factory(make_settings(redis_url, tenants=configured, fair_share=fair_share))
+    configured = [_tenant("a"), _tenant("b")] if laned else []
+    http = tenants(*configured, fair_share=fair_share)
     order = tmp_path / "order"
     tags = [f"a{n}" for n in range(4)] + [f"b{n}" for n in range(4)]
     for tag in tags:  # a's four tasks, then b's four, with no worker yet
-        client = clients(api, tag[0] if tenants else None)
+        client = http[tag[0] if laned else None]
         submit(client, "test.record", {"path": str(order), "tag": tag})
     if expected == "fifo":
         assert not r.keys(f"{keys.lane(CLS, '*')}") and r.zcard(keys.lanes(CLS)) == 0
@@ -244,16 +243,14 @@ def test_without_fair_share_a_class_is_fifo(
 
 
 def test_a_killed_workers_task_goes_back_into_its_lane(
-    redis_url: str,
     r: redis.Redis,
     catalog: None,
-    api_factory: ApiFactory,
-    clients: Callable[..., httpx.Client],
+    tenants: Tenants,
     start_worker: WorkerFactory,
     tmp_path: Path,
 ) -> None:
-    api = api_factory(make_settings(redis_url, tenants=[_tenant("alpha"), _tenant("beta")]))
-    alpha, beta = clients(api, "alpha"), clients(api, "beta")
+    http = tenants(_tenant("alpha"), _tenant("beta"))
+    alpha, beta = http["alpha"], http["beta"]
     hold = tmp_path / "hold"
     hold.touch()
     doomed = start_worker("fair-doomed", extra=["--tasks", TASKS])
@@ -285,14 +282,12 @@ def test_a_killed_workers_task_goes_back_into_its_lane(
 
 
 def test_cancel_takes_a_queued_task_out_of_its_lane(
-    redis_url: str,
     r: redis.Redis,
     catalog: None,
-    api_factory: ApiFactory,
-    clients: Callable[..., httpx.Client],
+    tenants: Tenants,
 ) -> None:
-    api = api_factory(make_settings(redis_url, tenants=[_tenant("alpha"), _tenant("beta")]))
-    alpha, beta = clients(api, "alpha"), clients(api, "beta")
+    http = tenants(_tenant("alpha"), _tenant("beta"))
+    alpha, beta = http["alpha"], http["beta"]
     first, middle, last = (submit(alpha, "echo")["id"] for _ in range(3))
     other = submit(beta, "echo")["id"]
     assert _lane(r, "alpha") == [first, middle, last] and _lane(r, "beta") == [other]
