@@ -4,6 +4,9 @@
 its handler began: the bench process compares it with the moment its submit returned
 (same host, same clock) to get submit->start latency without an extra Redis write.
 
+``bench.batch_noop`` and ``bench.batch_vector`` are batched (64 items): a small result and a
+384-float vector per item, the dispatch cost of batched inference without a model.
+
 ``bench.sleep`` holds the worker for ``seconds`` times this worker's slowdown, read
 once from ``BENCH_SLOWDOWN`` (default 1; the ``mixed`` scenario starts its slow workers
 with 2: a card half as fast runs every task twice as long).
@@ -17,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.registry import TaskContext, task
+from worker.registry import Batch, TaskContext, task
 
 
 class StampArgs(BaseModel):
@@ -44,3 +47,24 @@ def sleep(args: SleepArgs, ctx: TaskContext) -> dict[str, Any]:
     """Sleep ``seconds`` x this worker's slowdown (``BENCH_SLOWDOWN``)."""
     time.sleep(args.seconds * SLOWDOWN)
     return {"slept_s": args.seconds * SLOWDOWN}
+
+
+class ItemArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(0, description="Any number; echoed by bench.batch_noop.")
+
+
+@task("bench.batch_noop", batch=Batch(max_size=64, max_wait_ms=5))
+def batch_noop(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Batched no-op: one small result per item (the dispatcher's cost alone)."""
+    return [{"n": args.n} for args in batch]
+
+
+VECTOR = [0.015625 * (i % 64) for i in range(384)]  # an embedding's size (all-MiniLM-L6-v2)
+
+
+@task("bench.batch_vector", batch=Batch(max_size=64, max_wait_ms=5))
+def batch_vector(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Batched: a 384-float vector per item, what an embedding returns, with no model."""
+    return [{"embedding": VECTOR} for _ in batch]

@@ -60,7 +60,9 @@ def test_malformed_json(http: httpx.Client, known_types: None) -> None:
         http.post("/tasks", content=b'{"type": "echo"', headers=headers), 400, "invalid_request"
     )
     assert "JSON" in body["message"]
-    _error(http.post("/tasks", content=b'["echo"]', headers=headers), 400, "invalid_request")
+    # An array is a bulk submit: a task in it that is no object is a 422 naming it.
+    bulk = _error(http.post("/tasks", content=b'["echo"]', headers=headers), 422, "invalid_request")
+    assert bulk["index"] == 0 and bulk["message"].startswith("tasks[0]:")
     # Nesting deep enough to exhaust the parser's recursion: a 400, not a 500.
     nested = b'{"type": "echo", "args": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
     _error(http.post("/tasks", content=nested, headers=headers), 400, "invalid_request")

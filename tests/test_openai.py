@@ -187,14 +187,17 @@ def test_a_client_that_leaves_cancels_its_tasks(
     ).encode()
     with socket.create_connection(("127.0.0.1", api.port), timeout=10) as sock:
         sock.sendall(head + body)
-        wait_for(lambda: r.llen("rq:queue:batch") == 3, 10, what="the 3 tasks queued")
+        # The three inputs travel together: one chunk of three items.
+        wait_for(lambda: r.get("gpulane:items:batch") == b"3", 10, what="the 3 items queued")
     ids = [i.decode() for i in r.lrange("rq:queue:batch", 0, -1)]  # the client has left
+    assert len(ids) == 1 and r.hget(f"rq:job:{ids[0]}", "items") == b"3"
     wait_for(
         lambda: all(r.hget(f"rq:job:{i}", "status") == b"canceled" for i in ids),
         10,
         what="the tasks of a client that left to be canceled",
     )
     assert r.llen("rq:queue:batch") == 0
+    assert int(r.get("gpulane:items:batch") or 0) == 0
 
 
 def test_a_key_without_the_class_is_refused(

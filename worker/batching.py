@@ -1,9 +1,12 @@
-"""Dynamic batching: running several claimed tasks of one batched type in one call.
+"""Dynamic batching: running several claimed records of one batched type in one call.
 
-A batched type's handler takes a list of validated args and one context per item and
-returns one result per item. Everything else stays per task: validation (a bad item
-fails alone), cancel, timeout, progress, attempts and the report. An interrupt stops
-the whole call, so the items it was not meant for run again in a new call:
+A record is a task (one item) or a chunk (several items of one request travelling
+together, ``docs/design.md`` §4). A batched type's handler takes a list of validated
+args and one context per item (a chunk's items share its context) and returns one
+result per item. Validation is per item (a bad item fails alone: a task's record
+fails, a chunk's item gets its error in the chunk's result); cancel, timeout,
+progress, attempts and the report are per record. An interrupt stops the whole call,
+so the records it was not meant for run again in a new call:
 
 - a cancel: the canceled item ends ``canceled``; the others run again;
 - a timeout (the timer is armed for the earliest item deadline): the items past their
@@ -14,7 +17,7 @@ the whole call, so the items it was not meant for run again in a new call:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -62,12 +65,20 @@ def batch_policies(registry: Registry, settings: Settings) -> dict[str, Batch]:
 
 @dataclass
 class Item:
-    """One task of a batch and, once known, how it ended."""
+    """One record of a batch (a task or a chunk) and, once known, how it ended.
+    ``args``: each item's validated args, None for an item that failed validation (its
+    error in ``errors``, by index in the chunk)."""
 
     claimed: Claimed
     ctx: RunningTask | None = None
-    args: BaseModel | None = None
+    args: list[BaseModel | None] = field(default_factory=list)
+    errors: dict[str, dict[str, str]] = field(default_factory=dict)
     outcome: Outcome | None = None
+    chunk: bool = False
+
+    @property
+    def valid(self) -> list[BaseModel]:
+        return [a for a in self.args if a is not None]
 
 
 class BatchRunner:
@@ -110,12 +121,23 @@ class BatchRunner:
             )
         elif call.file is not None:
             item.outcome = Outcome.fail("invalid_args", "A batched task type takes no file.")
-        else:
+        elif call.items is None:
             try:
-                item.args = spec.args_model.model_validate(call.args)
+                item.args = [spec.args_model.model_validate(call.args)]
             except ValidationError as exc:
                 message = f"Invalid arguments for {call.task_type!r}: {exc}"
                 item.outcome = Outcome.fail("invalid_args", message)
+        else:
+            item.chunk = True
+            for index, raw in enumerate(call.items):
+                try:
+                    item.args.append(spec.args_model.model_validate(raw))
+                except ValidationError as exc:
+                    item.args.append(None)
+                    message = f"Invalid arguments for {call.task_type!r}: {exc}"
+                    item.errors[str(index)] = {"code": "invalid_args", "message": message}
+            if not item.valid:  # nothing to run: the chunk's result is its errors
+                item.outcome = self.runner.encode_chunk(item.args, [], item.errors)
         return item
 
     def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
@@ -145,9 +167,11 @@ class BatchRunner:
         self.runner.current = lead  # the run the interrupts (and the watchdog) follow
         now = time.monotonic()
         left = min(c.claimed.timeout_s - (now - c.started_mono) for c in ctxs)
+        args = [a for i in pending for a in i.valid]
+        per_item = [i.ctx for i in pending for _ in i.valid]  # a chunk's share its ctx
         try:
             with self.runner.interrupts.armed(max(left, 0.001), lead):
-                values = spec.handler([i.args for i in pending], ctxs)
+                values = spec.handler(args, per_item)
         except TaskTimeout:
             self._timed_out(pending)
             return False
@@ -183,21 +207,32 @@ class BatchRunner:
                 item.outcome = Outcome.fail("timeout", f"Ran past its timeout of {seconds:g} s.")
 
     def _results(self, pending: list[Item], values: Any) -> None:
-        if not isinstance(values, list) or len(values) != len(pending):
+        wanted = sum(len(i.valid) for i in pending)
+        if not isinstance(values, list) or len(values) != wanted:
             got = len(values) if isinstance(values, list) else type(values).__name__
             for item in pending:
                 item.outcome = Outcome.fail(
                     "invalid_result",
-                    f"A batched handler must return one result per item: {len(pending)} "
+                    f"A batched handler must return one result per item: {wanted} "
                     f"items, got {got}.",
                 )
             return
-        for item, value in zip(pending, values, strict=True):
+        at = 0
+        for item in pending:
+            mine = values[at : at + len(item.valid)]
+            at += len(item.valid)
             if item.ctx is not None and item.ctx.cancelled():
                 item.outcome = canceled()
-            elif isinstance(value, TaskFailure):
-                item.outcome = Outcome.fail(value.code, value.message)
-            elif isinstance(value, BaseException):
-                item.outcome = Outcome.fail("task_error", f"{type(value).__name__}: {value}")
+            elif item.chunk:
+                item.outcome = self.runner.encode_chunk(item.args, mine, item.errors)
             else:
-                item.outcome = self.runner.encode(value)
+                item.outcome = _one(mine[0], self.runner)
+
+
+def _one(value: Any, runner: Runner) -> Outcome:
+    """A task's outcome from its handler's value for it."""
+    if isinstance(value, TaskFailure):
+        return Outcome.fail(value.code, value.message)
+    if isinstance(value, BaseException):
+        return Outcome.fail("task_error", f"{type(value).__name__}: {value}")
+    return runner.encode(value)

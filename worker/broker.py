@@ -42,6 +42,7 @@ class Claimed:
     started_ms: int
     file: bytes | None
     task_type: str = ""  # the job hash's ``type`` (the call data says it again)
+    items: int = 1  # a chunk's item count (a task is one item)
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,8 @@ class Broker:
     def claim_more(
         self, cls: str, task_type: str, n: int, device_json: str, mem_mb: int | None = None
     ) -> tuple[bool, list[Claimed]]:
-        """Up to ``n`` more queued tasks of ``task_type`` from the head of ``cls`` for a
-        short batch. Returns (stop waiting: a higher class has work or another type
+        """More queued tasks of ``task_type``, up to ``n`` items, from the head of ``cls``
+        for a short batch. Returns (stop waiting: a higher class has work or another type
         heads the queue, the tasks taken)."""
         more = {"class": cls, "type": task_type, "n": n}
         opts = self._claim_options(device_json, mem_mb, more=more)
@@ -214,7 +215,7 @@ class Broker:
         )
 
     def _claimed(self, reply: list[Any]) -> Claimed:
-        task_id, cls, data, attempt, timeout, created, started, file, task_type = reply
+        task_id, cls, data, attempt, timeout, created, started, file, task_type, items = reply
         return Claimed(
             task_id=_text(task_id),
             cls=_text(cls),
@@ -225,6 +226,7 @@ class Broker:
             started_ms=int(started),
             file=file,
             task_type=_text(task_type),
+            items=int(items),
         )
 
     def unpark(self) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import orjson
+
 from dispatcher.contract.jobs import CallRefused, decode_call
 from worker import entry
 from worker.broker import Claimed
@@ -44,6 +46,7 @@ __all__ = [
     "RunningTask",
     "TaskHandback",
     "canceled",
+    "result_json",
 ]
 
 log = logging.getLogger("gpulane.worker")
@@ -310,14 +313,53 @@ class Runner:
         ctx.log.error("fatal GPU error; the CUDA context is unusable: %s", message, exc_info=exc)
         return Outcome.lost(f"Fatal GPU error: {message}")
 
-    def encode(self, value: Any) -> Outcome:
+    def encode(self, value: Any, items: int = 1) -> Outcome:
+        """The outcome of a result: its JSON, or why it has none. A chunk's result
+        (``items`` of them) may be as large as that many tasks' results."""
         try:
-            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+            text = result_json(value)
         except (TypeError, ValueError) as exc:
             return Outcome.fail("invalid_result", f"The result is not JSON: {exc}.")
-        if len(text) > self.max_result_bytes:
+        limit = self.max_result_bytes * items
+        if len(text) > limit:
             return Outcome.fail(
-                "result_too_large",
-                f"The result is {len(text)} bytes; the limit is {self.max_result_bytes}.",
+                "result_too_large", f"The result is {len(text)} bytes; the limit is {limit}."
             )
         return Outcome("finished", result_json=text)
+
+    def encode_chunk(
+        self, args: list[Any], values: list[Any], errors: dict[str, dict[str, str]]
+    ) -> Outcome:
+        """A chunk's outcome: ``{"results": [...], "errors": {index: error}}``, one
+        entry per item (``args``: None for an item that failed validation, whose error
+        ``errors`` holds already; ``values``: the handler's, for the others in order)."""
+        results: list[Any] = []
+        it = iter(values)
+        for index, arg in enumerate(args):
+            value = None if arg is None else next(it)
+            if isinstance(value, TaskFailure):
+                errors[str(index)] = {"code": value.code, "message": value.message}
+                value = None
+            elif isinstance(value, BaseException):
+                message = f"{type(value).__name__}: {value}"
+                errors[str(index)] = {"code": "task_error", "message": message}
+                value = None
+            results.append(value)
+        return self.encode({"results": results, "errors": errors}, len(args))
+
+
+_ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+
+def result_json(value: Any) -> str:
+    """A result as JSON, as ``json.dumps(value, allow_nan=False)`` would refuse or write
+    it, at orjson's speed (a chunk of embeddings is megabytes of floats). orjson writes
+    NaN and infinities as ``null`` and refuses integers past 64 bits, so any ``null``
+    in its output, and anything it refuses, is decided by the json module."""
+    try:
+        raw = orjson.dumps(value, option=_ORJSON)
+    except (TypeError, orjson.JSONEncodeError):
+        raw = b"null"
+    if b"null" in raw:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    return raw.decode()

@@ -93,7 +93,7 @@ class WorkerLoop:
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
             task_type = claims[0].task_type  # from claim.lua: no decode to route it
-            if task_type in self.batches:
+            if task_type in self.batches or claims[0].items > 1:
                 self._execute_batch(claims, task_type)
             else:
                 self._execute(claims[0])
@@ -106,12 +106,12 @@ class WorkerLoop:
         deadline = time.monotonic() + policy.max_wait_ms / 1000
         poll_s = max(policy.max_wait_ms / 5000, 0.0005)
         free_mb = self.gpu.available_mb()  # nothing runs while it waits: read it once
-        while len(claims) < policy.max_size and time.monotonic() < deadline:
+        while _items(claims) < policy.max_size and time.monotonic() < deadline:
             try:
                 stop, more = self.broker.claim_more(
                     claims[0].cls,
                     task_type,
-                    policy.max_size - len(claims),
+                    policy.max_size - _items(claims),
                     self._device,
                     free_mb,
                 )
@@ -125,21 +125,23 @@ class WorkerLoop:
         return claims
 
     def _execute_batch(self, claims: list[Claimed], task_type: str) -> None:
-        if len(claims) < self.batches[task_type].max_size:
+        policy = self.batches.get(task_type)
+        if policy is not None and _items(claims) < policy.max_size:
             claims = self._fill(claims, task_type)
         self.state.set("busy")
         log.info(
-            "batch of %d started",
+            "batch of %d items (%d records) started",
+            _items(claims),
             len(claims),
             extra={"worker": self.broker.name, "class": claims[0].cls, "type": task_type},
         )
-        self.recorder.observe("batch_size", len(claims), task_type)
+        self.recorder.observe("batch_size", _items(claims), task_type)
         items = self._batch_runner.run(claims)
         runs = []
         for item in items:
             assert item.outcome is not None
             runs.append(Concluded(item.claimed, item.outcome, item.ctx))
-        self._conclude(runs)
+        self._conclude(runs, _items(claims))
 
     def _unpark(self) -> None:
         try:
@@ -167,8 +169,10 @@ class WorkerLoop:
         outcome, ctx = self.runner.run(claimed)
         self._conclude([Concluded(claimed, outcome, ctx)])
 
-    def _conclude(self, runs: list[Concluded]) -> None:
-        """Report the outcomes (a batch's in one round trip), log and count each."""
+    def _conclude(self, runs: list[Concluded], batch_items: int = 1) -> None:
+        """Report the outcomes (a batch's in one round trip), log and count each.
+        ``batch_items``: the items the batch's calls ran (what their time is shared by,
+        for the per-item run time admission estimates with)."""
         for run in runs:
             self._check_lost(run.outcome)  # before the report
         ended = self.reporter.report(runs)
@@ -193,7 +197,7 @@ class WorkerLoop:
                 },
             )
             if ended_ms is not None:
-                self._record(claimed, task_type, status, ended_ms)
+                self._record(claimed, task_type, status, ended_ms, batch_items)
         self._check_memory()
 
     def _check_lost(self, outcome: Outcome) -> None:
@@ -226,10 +230,12 @@ class WorkerLoop:
     def _who(self) -> dict[str, str]:
         return {"worker": self.broker.name}
 
-    def _record(self, claimed: Claimed, task_type: str, status: str, ended_ms: int) -> None:
+    def _record(
+        self, claimed: Claimed, task_type: str, status: str, ended_ms: int, batch_items: int
+    ) -> None:
         self.state.ended(status == "succeeded")
         run_s = (ended_ms - claimed.started_ms) / 1000
-        self.recorder.count("finished", claimed.cls, task_type, status)
+        self.recorder.count("finished", claimed.cls, task_type, status, n=claimed.items)
         self.recorder.observe("run", run_s, claimed.cls, task_type)
         if claimed.created_ms is not None:
             self.recorder.observe(
@@ -237,4 +243,11 @@ class WorkerLoop:
             )
             self.recorder.observe("latency", (ended_ms - claimed.created_ms) / 1000, claimed.cls)
         if status in ("succeeded", "failed"):
-            self.recorder.run_sample(claimed.cls, run_s)
+            # One sample per item, each the batch's time shared by its items: the pool's
+            # run time is per item, what admission multiplies by the items queued.
+            self.recorder.run_sample(claimed.cls, run_s / batch_items, claimed.items)
+
+
+def _items(claims: list[Claimed]) -> int:
+    """Items the claimed records hold (a task is one, a chunk its ``items``)."""
+    return sum(c.items for c in claims)

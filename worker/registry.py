@@ -164,6 +164,8 @@ class TaskSpec:
             entry["model"] = self.model
         if self.gpu_memory_mb:
             entry["gpu_memory_mb"] = self.gpu_memory_mb
+        if self.batch is not None:  # the API packs a request's items into chunks this big
+            entry["batch_max_size"] = self.batch.max_size
         return entry
 
 

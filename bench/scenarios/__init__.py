@@ -15,4 +15,5 @@ SCENARIOS = (
     "latency",
     "embed",
     "fair",
+    "batched",
 )

@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from dispatcher.contract import keys
 from dispatcher.contract.catalog import CatalogError, catalog_command, parse_catalog
+from dispatcher.contract.settings import Settings
 
 __all__ = ["Catalog", "TaskTypeInfo", "configured_catalog"]
 
@@ -54,6 +55,16 @@ class TaskTypeInfo:
     validator: Draft202012Validator
     model: str | None = None  # the model id the type serves, when it names one
     gpu_memory_mb: int = 0  # GPU memory a task of the type needs (its @task declaration)
+    batch_size: int = 0  # a batched type's Batch.max_size; 0: not batched
+
+    def chunk_size(self, settings: Settings) -> int:
+        """Items one record of a request holds: a batched type's batch size (its
+        ``[types.<name>]`` override first), so one claim takes a full batch; 1 (every
+        item its own task) for a type that is not batched."""
+        if not self.batch_size:
+            return 1
+        override = settings.types.get(self.name)
+        return max((override.batch_max_size if override else None) or self.batch_size, 1)
 
     def errors(self, args: dict[str, Any]) -> list[str]:
         """Readable messages for ``args`` that fail the type's schema (empty: valid)."""
@@ -81,6 +92,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         schema = entry["schema"]
         Draft202012Validator.check_schema(schema)
         gpu_memory_mb = _whole_mb(entry.get("gpu_memory_mb") or 0)
+        batch_size = _whole_mb(entry.get("batch_max_size") or 0)
     except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as exc:
         log.warning("ignoring malformed catalog entry %r: %s", name, exc)
         return None
@@ -91,6 +103,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         validator=Draft202012Validator(schema),
         model=str(entry["model"]) if entry.get("model") else None,
         gpu_memory_mb=gpu_memory_mb,
+        batch_size=batch_size,
     )
 
 

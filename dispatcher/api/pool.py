@@ -33,6 +33,9 @@ class ClassState:
     capacities: tuple[int | None, ...] = ()
     # Under fair share: queued tasks per tenant with any (its lane's length).
     tenants: tuple[tuple[str, int], ...] = ()
+    # Whether run_s was measured (False: the default_run_s guess of a fresh pool, which
+    # never refuses a submit for its wait).
+    measured: bool = True
 
     def fitting(self, need_mb: int) -> int:
         """Live workers of the class whose GPU could ever hold a task needing ``need_mb``."""
@@ -51,7 +54,9 @@ class ClassState:
 
     @property
     def pressure(self) -> str:
-        return admission.pressure(self.depth, self.run_s, self.workers, self.config)
+        # A fresh pool's guessed run time never makes it refuse (submit.lua's `measured`).
+        run_s = self.run_s if self.measured else 0.0
+        return admission.pressure(self.depth, run_s, self.workers, self.config)
 
     def to_json(self) -> dict[str, Any]:
         est = self.estimated_wait_s
@@ -160,7 +165,7 @@ class Pool:
                 pipe.hget(keys.job(head.decode()), "created_ms")
             else:
                 pipe.echo("")  # keeps one reply per class
-        lanes = [(c, t.decode()) for c, (*_, active) in zip(names, per_class, strict=True)
+        lanes = [(c, t.decode()) for c, (*_, active, _) in zip(names, per_class, strict=True)
                  for t in active]  # fmt: skip
         for cls, tenant in lanes:
             pipe.llen(keys.lane(cls, tenant))
@@ -176,16 +181,18 @@ class Pool:
         for (cls, tenant), n in zip(lanes, queued, strict=True):
             tally.tenants[cls].append((tenant, int(n)))
         classes = {
-            cls: self._class_state(cls, depth, stats, head_created, now_ms, tally)
-            for cls, (depth, _, stats, _), head_created in zip(names, per_class, heads, strict=True)
+            cls: self._class_state(cls, listed, items, stats, head_created, now_ms, tally)
+            for cls, (listed, _, stats, _, items), head_created in zip(
+                names, per_class, heads, strict=True
+            )
         }
         snap = Snapshot(now_ms=now_ms, classes=classes, workers=tally.workers)
         self.latest = snap
         return snap
 
     async def _read_classes(self, names: list[str]) -> tuple[int, list[str], list[list[Any]]]:
-        """Redis time, live worker names, and per class [depth, head id, [sum, weight],
-        tenants with a fair-share lane]."""
+        """Redis time, live worker names, and per class [records listed, head id,
+        [sum, weight], tenants with a fair-share lane, items queued]."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
@@ -194,25 +201,37 @@ class Pool:
             pipe.lindex(keys.queue(cls), 0)
             pipe.hmget(keys.stats(cls), "sum", "weight")
             pipe.zrange(keys.lanes(cls), 0, -1)
+            pipe.get(keys.queued_items(cls))
         replies = await pipe.execute()
         now_ms = replies[0][0] * 1000 + replies[0][1] // 1000
         live = [m.decode() for m, deadline in replies[1] if deadline > now_ms]
-        return now_ms, live, [replies[2 + 4 * i : 6 + 4 * i] for i in range(len(names))]
+        return now_ms, live, [replies[2 + 5 * i : 7 + 5 * i] for i in range(len(names))]
 
     def _class_state(
-        self, cls: str, depth: int, stats: list[Any], head_created: Any, now_ms: int, tally: _Tally
+        self,
+        cls: str,
+        listed: int,
+        items: Any,
+        stats: list[Any],
+        head_created: Any,
+        now_ms: int,
+        tally: _Tally,
     ) -> ClassState:
         total, weight = (float(v) if v else 0.0 for v in stats)
+        # Items, as admission counts them; an empty list holds none (submit.lua resets
+        # a counter a lost record left behind).
+        depth = max(int(items or listed), 0) if int(listed) else 0
         oldest = (now_ms - int(head_created)) / 1000 if head_created else None
         return ClassState(
             name=cls,
             config=self.settings.classes[cls],
-            depth=int(depth),
+            depth=depth,
             running=tally.running[cls],
             workers=tally.serving[cls],
             busy_workers=tally.busy[cls],
             oldest_wait_s=round(max(oldest, 0.0), 3) if oldest is not None else None,
             run_s=total / weight if weight > 0 else self.settings.default_run_s,
+            measured=weight > 0,
             capacities=tuple(tally.capacities[cls]),
             tenants=tuple(tally.tenants[cls]),
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -26,6 +26,7 @@ from dispatcher.contract.settings import ClassConfig, Settings
 
 __all__ = [
     "CancelResult",
+    "Record",
     "Submission",
     "SubmitResult",
     "TaskStore",
@@ -54,10 +55,33 @@ class Submission:
 
 
 @dataclass(frozen=True)
+class Record:
+    """One record of a request that submits several at once (a bulk submit, the
+    chunks of /v1/embeddings): a task (``items`` 1) or a chunk of ``items`` items of one
+    batched type, its call already encoded."""
+
+    task_type: str
+    data: bytes
+    timeout_s: float
+    items: int = 1
+    gpu_memory_mb: int = 0
+    task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.task_id,
+            "type": self.task_type,
+            "items": self.items,
+            "timeout": self.timeout_s,
+            "gpu_mb": self.gpu_memory_mb,
+        }
+
+
+@dataclass(frozen=True)
 class SubmitResult:
     verdict: SubmitVerdict
     task_id: str
-    depth: int  # tasks in the class queue after this submit
+    depth: int  # items queued in the class after this submit
     estimated_wait_s: float | None
     status: str = "queued"  # public status (for a duplicate: the original's)
     cls: str = ""
@@ -98,19 +122,22 @@ def submit_options(
     run_s: float,
     settings: Settings,
     serving: int | None = None,
+    records: list[Record] | None = None,
+    measured: bool = True,
 ) -> str:
-    """submit.lua's options: the task, its class's limits and the pool's state
-    (``workers``: live workers of the class whose GPU could hold the task; ``serving``:
-    all live workers of the class, default the same)."""
+    """submit.lua's options: the request (``sub``'s task, or ``records`` in its class
+    for its tenant), its class's limits and the pool's state (``workers``: live workers
+    of the class whose GPU could hold the task; ``serving``: all live workers of the
+    class, default the same; ``measured``: whether ``run_s`` was measured)."""
     digest = fp = ""
     if sub.idempotency_key is not None:
         digest = hashlib.sha256(sub.idempotency_key.encode()).hexdigest()
         fp = fingerprint(sub)
+    if records is None:
+        records = [Record(sub.task_type, b"", sub.timeout_s, 1, sub.gpu_memory_mb)]
     return options(
-        id=str(uuid.uuid4()),
-        type=sub.task_type,
+        records=[r.to_json() for r in records],
         tenant=sub.tenant,
-        timeout=sub.timeout_s,
         ttl_s=settings.result_ttl_s,
         max_queued=cfg.max_queued,
         max_bytes=cfg.max_queued_bytes,
@@ -124,8 +151,8 @@ def submit_options(
         max_in_flight=sub.max_in_flight,
         lane=sub.tenant if settings.fair_share and sub.weight is not None else "",
         weight=sub.weight or 1.0,
-        gpu_mb=sub.gpu_memory_mb,
         serving=workers if serving is None else serving,
+        measured=measured,
         classes=settings.class_names,
         **{"class": sub.cls},
     )
@@ -146,17 +173,36 @@ class TaskStore:
         )
 
     async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
-        workers = state.fitting(sub.gpu_memory_mb)
-        opts = submit_options(sub, state.config, workers, state.run_s, self.settings, state.workers)
         data = encode_call(sub.task_type, sub.args, sub.file)
+        record = Record(sub.task_type, data, sub.timeout_s, 1, sub.gpu_memory_mb)
+        return await self.submit_records(sub, [record], state)
+
+    async def submit_records(
+        self, sub: Submission, records: list[Record], state: ClassState
+    ) -> SubmitResult:
+        """Admit ``records`` whole or not at all, in ``sub``'s class for its tenant (its
+        quota, weight and idempotency key; its file goes with the first record)."""
+        need = max(r.gpu_memory_mb for r in records)
+        workers = state.fitting(need)
+        opts = submit_options(
+            sub,
+            state.config,
+            workers,
+            state.run_s,
+            self.settings,
+            state.workers,
+            records,
+            state.measured,
+        )
+        argv = [r.data for r in records]
         wanted = self.settings.min_replica_acks
         if wanted > 0:
-            reply, acks = await self.scripts.run_acked("submit", opts, data, sub.file_data)
+            reply, acks = await self.scripts.run_acked("submit", opts, *argv, sub.file_data)
             if acks < wanted:
                 # The task may exist on the master and be lost in a failover.
                 raise ReplicaLag(f"{acks} of {wanted} replicas confirmed the task in time")
         else:
-            reply = await self.scripts.run("submit", opts, data, sub.file_data)
+            reply = await self.scripts.run("submit", opts, *argv, sub.file_data)
         verdict: SubmitVerdict = script_verdict(reply[0], SubmitVerdict)
         if verdict == "duplicate":
             _, task_id, status, cls, task_type = (_text(x) for x in reply)
@@ -165,7 +211,7 @@ class TaskStore:
             )
         if verdict == "idempotency_key_reused":
             return SubmitResult(verdict, _text(reply[1]), -1, None)
-        depth = int(reply[2]) + (verdict == "accepted")
+        depth = int(reply[2]) + (sum(r.items for r in records) if verdict == "accepted" else 0)
         est_ms = int(reply[3])
         est = est_ms / 1000 if est_ms >= 0 else None
         accepted = verdict == "accepted"  # reply[4]: its position, or the limit refused

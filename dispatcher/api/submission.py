@@ -29,7 +29,15 @@ from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import NonFinite, loads_strict, number
 
-__all__ = ["check_value", "gpu_memory", "limited_body", "parse_submission"]
+__all__ = [
+    "check_value",
+    "content_type",
+    "gpu_memory",
+    "limited_body",
+    "parse_submission",
+    "submission_of",
+    "task_fields",
+]
 
 _FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
@@ -102,18 +110,17 @@ def check_value(value: Any, where: str = "body", depth: int = 0) -> None:
             check_value(item, f"{where}.{key}"[:80] if depth == 0 else where, depth + 1)
 
 
-async def _json_fields(request: Request, settings: Settings) -> dict[str, Any]:
-    body = await _limited(request, settings.max_body_bytes, "request body").body()
+def json_fields(body: bytes, settings: Settings) -> dict[str, Any]:
+    """A single task's JSON body (already read), checked."""
+    if len(body) > settings.max_body_bytes:
+        raise _too_large(settings.max_body_bytes, "request body")
     try:
         fields = loads_strict(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
     if not isinstance(fields, dict):
         raise ApiError(400, "invalid_request", "The body must be a JSON object.")
-    unknown = sorted(set(fields) - _FIELDS)
-    if unknown:
-        raise _invalid(f"Unknown fields {unknown}; a task has {sorted(_FIELDS)}.")
-    return fields
+    return task_fields(fields)
 
 
 class _FormParser(MultiPartParser):
@@ -214,11 +221,15 @@ def _timeout(fields: dict[str, Any], default_s: float, max_s: float) -> float:
     return float(value)
 
 
+def content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
 async def _read(request: Request, settings: Settings) -> tuple[dict[str, Any], UploadFile | None]:
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type == "application/json":
-        return await _json_fields(request, settings), None
-    if content_type == "multipart/form-data":
+    if content_type(request) == "application/json":
+        body = await _limited(request, settings.max_body_bytes, "request body").body()
+        return json_fields(body, settings), None
+    if content_type(request) == "multipart/form-data":
         return await _form_fields(request, settings)
     raise ApiError(
         400, "invalid_request", "Send application/json, or multipart/form-data with a 'file' part."
@@ -281,10 +292,41 @@ def _idempotency_key(request: Request) -> str | None:
 
 
 async def parse_submission(
-    request: Request, principal: Principal, settings: Settings, catalog: Catalog
+    request: Request,
+    principal: Principal,
+    settings: Settings,
+    catalog: Catalog,
+    body: bytes | None = None,
 ) -> Submission:
-    """Read and validate a submission; raise :class:`ApiError` with a clear message."""
-    fields, upload = await _read(request, settings)
+    """Read and validate a submission; raise :class:`ApiError` with a clear message.
+    ``body``: a JSON body the caller has read already."""
+    if body is not None:
+        fields, upload = json_fields(body, settings), None
+    else:
+        fields, upload = await _read(request, settings)
+    return await submission_of(fields, principal, settings, catalog, upload, request)
+
+
+def task_fields(value: Any) -> dict[str, Any]:
+    """A task's JSON fields (one of a bulk submit's), checked as ``POST /tasks`` checks
+    its body; :class:`ApiError` otherwise."""
+    if not isinstance(value, dict):
+        raise ApiError(400, "invalid_request", "A task must be a JSON object.")
+    unknown = sorted(set(value) - _FIELDS)
+    if unknown:
+        raise _invalid(f"Unknown fields {unknown}; a task has {sorted(_FIELDS)}.")
+    return value
+
+
+async def submission_of(
+    fields: dict[str, Any],
+    principal: Principal,
+    settings: Settings,
+    catalog: Catalog,
+    upload: UploadFile | None = None,
+    request: Request | None = None,
+) -> Submission:
+    """Validate a task's fields (and its upload); the request gives its headers."""
     check_value(fields)
     cls = _class(fields, principal, settings)
     info = await _task_type(fields, upload, settings, catalog)
@@ -298,7 +340,7 @@ async def parse_submission(
         tenant=principal.tenant,
         file=meta,
         file_data=data,
-        idempotency_key=_idempotency_key(request),
+        idempotency_key=_idempotency_key(request) if request is not None else None,
         max_in_flight=principal.config.max_in_flight if principal.config else 0,
         weight=principal.config.weight if principal.config else None,
         gpu_memory_mb=gpu_memory_mb,

@@ -7,6 +7,11 @@ type as data::
 
     zlib(json(["worker.entry.run", null, [<type>, <args>], {"file": <meta> | absent}]))
 
+A *chunk* (several items of one batched type travelling as one record, see
+``docs/design.md`` §4) calls it with its items' args instead, and ``args`` empty::
+
+    zlib(json(["worker.entry.run", null, [<type>, {}], {"items": [<args>, ...]}]))
+
 Workers refuse any other call (invariant 3): nothing names a function to run.
 
 Hash fields. RQ's: ``data``, ``origin`` (the class), ``status`` (RQ's vocabulary, see
@@ -22,7 +27,10 @@ agree); ``attempts`` (times started); ``lost`` (times its worker died holding it
 ``progress`` and ``error`` (JSON objects); ``device`` (JSON of the worker's device);
 ``history`` (JSON list of attempts that did not end normally); ``cancel`` (``1`` once
 a cancel was requested); ``lane`` (the tenant whose fair-share lane holds it while
-queued, '' without fair share); ``gpu_mb`` (GPU memory it needs, MB; 0: any worker).
+queued, '' without fair share); ``gpu_mb`` (GPU memory it needs, MB; 0: any worker);
+``items`` (a chunk's item count; absent on a task, which is one item). A chunk's
+``result`` is ``{"results": [<value or null>, ...], "errors": {"<index>": <error>}}``:
+one entry per item, in order (:func:`chunk_item`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
+
+import orjson
 
 __all__ = [
     "ENTRY_POINT",
@@ -45,6 +55,7 @@ __all__ = [
     "FileMeta",
     "RqStatus",
     "TaskStatus",
+    "chunk_item",
     "decode_call",
     "encode_call",
     "iso_ms",
@@ -104,6 +115,7 @@ RECORD_FIELDS = (
     "ended_ms",
     "cancel",
     "gpu_mb",
+    "items",
     "lane",  # last: get.lua reads it for a fair-share position; not in the record
 )
 
@@ -126,16 +138,26 @@ class Call:
     task_type: str
     args: dict[str, Any]
     file: FileMeta | None
+    items: list[dict[str, Any]] | None = None  # a chunk's items' args; None: a task
 
 
 class CallRefused(ValueError):
     """The job's data is not a call of gpulane's entry point; the worker must not run it."""
 
 
-def encode_call(task_type: str, args: dict[str, Any], file: FileMeta | None = None) -> bytes:
+def encode_call(
+    task_type: str,
+    args: dict[str, Any],
+    file: FileMeta | None = None,
+    items: list[dict[str, Any]] | None = None,
+) -> bytes:
+    """A task's call, or (``items``) a chunk's. Compressed fast (level 1): a chunk of
+    thousands of texts is compressed on the API's request path."""
     kwargs: dict[str, Any] = {"file": file.to_json()} if file else {}
+    if items is not None:
+        kwargs["items"] = items
     payload = [ENTRY_POINT, None, [task_type, args], kwargs]
-    return zlib.compress(json.dumps(payload, separators=(",", ":")).encode())
+    return zlib.compress(json.dumps(payload, separators=(",", ":")).encode(), 1)
 
 
 def _inflate(data: bytes) -> bytes:
@@ -167,9 +189,14 @@ def decode_call(data: bytes) -> Call:
         and isinstance(args[0], str)
         and isinstance(args[1], dict)
         and isinstance(kwargs, dict)
-        and set(kwargs) <= {"file"}
+        and set(kwargs) <= {"file", "items"}
     ):
         raise CallRefused("job arguments do not match the entry point's signature")
+    items = kwargs.get("items")
+    if items is not None and not (
+        isinstance(items, list) and items and all(isinstance(i, dict) for i in items)
+    ):
+        raise CallRefused("job items are not a list of argument objects")
     meta = kwargs.get("file")
     file = None
     if meta is not None:
@@ -177,7 +204,23 @@ def decode_call(data: bytes) -> Call:
             file = FileMeta(str(meta["name"]), str(meta["content_type"]), int(meta["size"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise CallRefused("job file description is malformed") from exc
-    return Call(task_type=args[0], args=args[1], file=file)
+    return Call(task_type=args[0], args=args[1], file=file, items=items)
+
+
+def chunk_item(record: dict[str, Any], index: int) -> dict[str, Any]:
+    """Item ``index`` of a chunk's public record, as a task's record reads: the chunk's
+    status and times, the item's own result or error. A chunk that succeeded may hold
+    a failed item (its args were invalid, its handler gave it a TaskFailure)."""
+    out = {**record, "id": f"{record['id']}.{index}", "chunk": record["id"], "items": None}
+    result = record.get("result")
+    if record["status"] == TaskStatus.SUCCEEDED and isinstance(result, dict):
+        error = (result.get("errors") or {}).get(str(index))
+        if error is not None:
+            out.update(status=TaskStatus.FAILED, result=None, error=error)
+        else:
+            values = result.get("results") or []
+            out["result"] = values[index] if index < len(values) else None
+    return out
 
 
 def iso_ms(ms: int | None) -> str | None:
@@ -192,7 +235,8 @@ def _int(raw: bytes | None) -> int | None:
 
 
 def _json(raw: bytes | None) -> Any:
-    return json.loads(raw) if raw else None
+    # orjson: a chunk's result holds thousands of vectors; it refuses NaN as json does.
+    return orjson.loads(raw) if raw else None
 
 
 def record_from_fields(task_id: str, values: list[Any], position: int | None) -> dict[str, Any]:
@@ -219,4 +263,5 @@ def record_from_fields(task_id: str, values: list[Any], position: int | None) ->
         "run_s": (ended - started) / 1000 if ended and started else None,
         "cancel_requested": raw["cancel"] == b"1" and status == "running",
         "gpu_memory_mb": _int(raw["gpu_mb"]) or 0,
+        "items": _int(raw["items"]),  # a chunk's item count; None: a task
     }

@@ -53,6 +53,11 @@ gpulane's keys::
     gpulane:bytes:<class>            STRING upload bytes held by the class's unfinished
                                             tasks, for max_queued_bytes: INCRBY in
                                             submit.lua, DECRBY when a task ends
+    gpulane:items:<class>            STRING items queued in the class (a task counts 1,
+                                            a chunk its ``items``), for max_queued and the
+                                            wait estimate: INCRBY when a record joins the
+                                            class list, DECRBY when it leaves; reset to 0
+                                            by a submit that finds the list empty
     gpulane:lane:<class>:<tenant>    LIST   fair share: the tenant's queued ids in the
                                             class, oldest first (each id is also in
                                             rq:queue:<class>, which keeps arrival order)
@@ -115,6 +120,7 @@ __all__ = [
     "parked",
     "queue",
     "queued_bytes",
+    "queued_items",
     "rate",
     "rq_execution",
     "rq_worker",
@@ -158,6 +164,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "control": (_P + "control:", ("name",), ""),
     "stats": (_P + "stats:", ("cls",), ""),
     "queued_bytes": (_P + "bytes:", ("cls",), ""),
+    "queued_items": (_P + "items:", ("cls",), ""),
     "idem": (_P + "idem:", ("tenant", "digest"), ""),
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
@@ -237,6 +244,10 @@ def stats(cls: str) -> str:
 
 def queued_bytes(cls: str) -> str:
     return _build("queued_bytes", cls)
+
+
+def queued_items(cls: str) -> str:
+    return _build("queued_items", cls)
 
 
 def idem(tenant: str, digest: str) -> str:

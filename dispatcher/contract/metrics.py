@@ -126,12 +126,12 @@ class Recorder:
             self._counters[f"h|{base}|{le}"] += 1
             self._floats[f"s|{base}"] += seconds
 
-    def run_sample(self, cls: str, seconds: float) -> None:
-        """A task of ``cls`` ran this long: feeds the wait estimates."""
+    def run_sample(self, cls: str, seconds: float, n: int = 1) -> None:
+        """``n`` items of ``cls`` ran this long each: feeds the wait estimates."""
         with self._lock:
             total = self._runs.setdefault(cls, [0.0, 0.0])
-            total[0] += seconds
-            total[1] += 1
+            total[0] += seconds * n
+            total[1] += n
 
     def drain(self) -> Drained:
         with self._lock:

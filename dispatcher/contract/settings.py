@@ -60,7 +60,9 @@ class ClassConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_queued: int = Field(1000, ge=1, description="Refuse (503 queue_full) past this depth.")
+    max_queued: int = Field(
+        1000, ge=1, description="Refuse (503 queue_full) past this many queued items."
+    )
     max_queued_bytes: int = Field(
         1 << 30,
         ge=1024,
@@ -145,8 +147,9 @@ class TenantConfig(BaseModel):
 
 def _default_classes() -> dict[str, ClassConfig]:
     return {
-        "interactive": ClassConfig(max_queued=200, max_wait_s=30, reject_without_workers=True),
-        "batch": ClassConfig(max_queued=10_000, max_wait_s=3600, promote_after_s=300),
+        # Items, not requests: one /v1/embeddings call may bring 2,048 of them.
+        "interactive": ClassConfig(max_queued=10_000, max_wait_s=30, reject_without_workers=True),
+        "batch": ClassConfig(max_queued=100_000, max_wait_s=3600, promote_after_s=300),
     }
 
 
@@ -221,6 +224,14 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 * MiB, ge=1024, description="JSON request body limit.")
     max_file_bytes: int = Field(32 * MiB, ge=1024, description="Uploaded document limit.")
     max_result_bytes: int = Field(16 * MiB, ge=1024, description="A task's JSON result limit.")
+    bulk_max_tasks: int = Field(
+        10_000, ge=1, le=100_000, description="Tasks one bulk POST /tasks may carry."
+    )
+    bulk_max_body_bytes: int = Field(
+        64 * MiB,
+        ge=1024,
+        description="Body limit of a bulk POST /tasks (a JSON array or JSON Lines).",
+    )
     default_file_task: str = "document.extract"
 
     # Slow and hostile clients (per API process).

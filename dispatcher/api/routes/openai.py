@@ -1,34 +1,39 @@
 """OpenAI-compatible entry: ``GET /v1/models`` and ``POST /v1/embeddings``.
 
-Each input string becomes one ordinary task of the model's task type (the catalog maps
-a model id to the type that serves it), in the class ``openai_class``, so admission,
-tenants, quotas, fairness and dynamic batching apply exactly as to ``POST /tasks``.
-The route submits them all, waits for every one through the process' task waiters
-(no polling), and answers in OpenAI's shape. Tenant keys are the API keys
-(``Authorization: Bearer``). Errors raised inside these routes use OpenAI's body,
-``{"error": {"message", "type", "param", "code"}}``, with the status the official SDK
-expects; the ``Retry-After`` and rate-limit headers are kept.
+A call's inputs are one request of the model's task type (the catalog maps a model id
+to the type that serves it), in the class ``openai_class``: packed into chunks of the
+type's batch size (:mod:`dispatcher.api.bulk`) and admitted as one unit sized in
+items, so admission, tenants, quotas, fairness and dynamic batching apply as to
+``POST /tasks``, and no input has a record of its own. The route waits for every
+chunk through the process' task waiters (no polling), and answers in OpenAI's shape.
+Tenant keys are the API keys (``Authorization: Bearer``). Errors raised inside these
+routes use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, with the
+status the official SDK expects; the ``Retry-After`` and rate-limit headers are kept.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
-import struct
+import sys
+from collections.abc import Iterator
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from dispatcher.api.auth import Principal
+from dispatcher.api.bulk import Packer
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.routes.tasks import refusal
-from dispatcher.api.store import Submission, SubmitResult
+from dispatcher.api.store import Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
-from dispatcher.contract.jobs import FINAL, TaskStatus
+from dispatcher.contract.jobs import FINAL, TaskStatus, chunk_item
 from dispatcher.contract.strict_json import loads_strict
 
 __all__ = ["router"]
@@ -208,7 +213,8 @@ async def _body(request: Request, svc: Services) -> dict[str, Any]:
 async def _submit_all(
     svc: Services, principal: Principal, task_type: str, texts: list[str]
 ) -> list[str]:
-    """Submit one task per input; on any refusal cancel those already accepted."""
+    """Submit the inputs as one request: chunks of the type's batch size, admitted
+    whole or refused whole. Returns the records' ids, in input order."""
     cls = svc.settings.openai_task_class
     if not principal.may_use(cls):
         message = f"This key may not use class {cls!r}, which serves /v1/embeddings."
@@ -216,49 +222,40 @@ async def _submit_all(
     state = (await svc.pool.cached()).classes[cls]
     if state.workers == 0:  # the cached snapshot may predate a worker that just came up
         state = (await svc.pool.snapshot()).classes[cls]
-    quota = principal.config.max_in_flight if principal.config else 0
-    if quota and len(texts) > quota:  # no retry could ever fit it
-        raise _invalid(f"'input' has {len(texts)} items; this key's max_in_flight is {quota}.")
     room = state.config.max_queued
-    if len(texts) > room:  # nor this: a retry is only worth it when the queue drains
+    if len(texts) > room:  # no retry could fit it: a 503 would only invite one
         raise _invalid(f"'input' has {len(texts)} items; class {cls!r} queues at most {room}.")
     timeout_s = svc.settings.class_timeout_s(cls)
     info = await svc.catalog.lookup(task_type)
     # A type declaring more GPU memory than any card has is a 422, as for POST /tasks.
     gpu_mb = gpu_memory({}, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
-    subs = [
-        Submission(
-            task_type,
-            cls,
-            {"text": t},
-            timeout_s,
-            principal.tenant,
-            max_in_flight=quota,
-            weight=principal.config.weight if principal.config else None,
-            gpu_memory_mb=gpu_mb,
+    chunk = info.chunk_size(svc.settings) if info else 1
+    packer = Packer()
+    for text in texts:
+        packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
+    records, _ = packer.done()
+    quota = principal.config.max_in_flight if principal.config else 0
+    if quota and len(records) > quota:  # no retry could ever fit it
+        raise _invalid(
+            f"'input' has {len(texts)} items in {len(records)} chunks; this key's "
+            f"max_in_flight is {quota}."
         )
-        for t in texts
-    ]
-    results = await asyncio.gather(
-        *(svc.store.submit(sub, state) for sub in subs), return_exceptions=True
+    sub = Submission(
+        task_type,
+        cls,
+        {},
+        timeout_s,
+        principal.tenant,
+        max_in_flight=quota,
+        weight=principal.config.weight if principal.config else None,
+        gpu_memory_mb=gpu_mb,
     )
-    accepted = [
-        r.task_id for r in results if isinstance(r, SubmitResult) and r.verdict == "accepted"
-    ]
-    for _ in accepted:  # counted before any cancel below counts them as finished
-        svc.recorder.count("submitted", cls, task_type)
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:  # Redis failed under some of them: none may run unread
-        await _cancel(svc, accepted, principal)
-        raise failed
-    refused = next(
-        (r for r in results if isinstance(r, SubmitResult) and r.verdict != "accepted"), None
-    )
-    if refused is not None:
-        await _cancel(svc, accepted, principal)
-        svc.recorder.count("rejected", cls, refused.verdict)
-        raise refusal(refused, state, subs[0])
-    return accepted
+    result = await svc.store.submit_records(sub, records, state)
+    if result.verdict != "accepted":
+        svc.recorder.count("rejected", cls, result.verdict)
+        raise refusal(result, state, sub)
+    svc.recorder.count("submitted", cls, task_type, n=len(texts))
+    return [r.task_id for r in records]
 
 
 async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
@@ -282,10 +279,25 @@ def _item_error(record: dict[str, Any], index: int) -> ApiError:
     return ApiError(status, code, message, headers=headers)
 
 
+def _items(records: list[dict[str, Any] | None]) -> Iterator[dict[str, Any]]:
+    """Each input's record, in order: a task's own, or its item of a chunk."""
+    for record in records:
+        assert record is not None  # the caller checked every one is final
+        count = record.get("items")
+        if count:
+            yield from (chunk_item(record, k) for k in range(count))
+        else:
+            yield record
+
+
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    """A vector as OpenAI sends it: floats, or base64 of little-endian float32."""
     if fmt == "float":
         return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    packed = array.array("f", vector)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()
 
 
 @router.post(
@@ -319,6 +331,11 @@ async def _embeddings(request: Request) -> JSONResponse:
         name = str(model)[:100]
         raise ApiError(404, "model_not_found", f"The model {name!r} does not exist.")
     texts = _inputs(body, svc.settings.openai_max_input_chars)
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (
+        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
+    ):
+        raise _invalid("'dimensions' must be a whole number, 1 or more.", "dimensions")
     ids = await _submit_all(svc, principal, models[model], texts)
     scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
     work = asyncio.gather(*(svc.waiters.until_final(i, scope, timeout_s) for i in ids))
@@ -333,20 +350,29 @@ async def _embeddings(request: Request) -> JSONResponse:
     if any(record is None or record["status"] not in FINAL for record in records):
         await _cancel(svc, ids, principal)  # every unfinished one, not only the first
         raise ApiError(504, "timeout", "The embeddings did not finish in time.")
-    data, tokens = [], 0
-    for index, record in enumerate(records):
-        assert record is not None  # checked above
-        if record["status"] != TaskStatus.SUCCEEDED:
-            raise _item_error(record, index)
-        result = record["result"]
+    data: list[dict[str, Any]] = []
+    tokens = 0
+    for item in _items(records):
+        index = len(data)
+        if item["status"] != TaskStatus.SUCCEEDED:
+            raise _item_error(item, index)
+        result = item["result"]
+        vector = result["embedding"]
+        if dimensions is not None and dimensions != len(vector):
+            raise _invalid(
+                f"The model {model!r} gives {len(vector)} dimensions and cannot give "
+                f"{dimensions}; leave 'dimensions' out.",
+                "dimensions",
+            )
         tokens += int(result.get("tokens", 0))
-        data.append(
-            {"object": "embedding", "index": index, "embedding": _encode(result["embedding"], fmt)}
-        )
+        data.append({"object": "embedding", "index": index, "embedding": _encode(vector, fmt)})
     answer = {
         "object": "list",
         "data": data,
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    return JSONResponse(answer, headers=extra_headers(request))
+    # orjson: 2,048 vectors of floats are megabytes the json module writes slowly.
+    return Response(
+        orjson.dumps(answer), media_type="application/json", headers=extra_headers(request)
+    )

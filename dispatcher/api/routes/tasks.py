@@ -17,13 +17,15 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from dispatcher.api import admission
+from dispatcher.api.auth import Principal
+from dispatcher.api.bulk import JSON_LINES, parse_bulk, split_item_id
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
-from dispatcher.api.store import Submission, SubmitResult
-from dispatcher.api.submission import parse_submission
+from dispatcher.api.store import Record, Submission, SubmitResult
+from dispatcher.api.submission import content_type, limited_body, parse_submission
 from dispatcher.api.waiters import unless_disconnected
-from dispatcher.contract.jobs import FINAL
+from dispatcher.contract.jobs import FINAL, chunk_item
 
 __all__ = ["refusal", "router"]
 
@@ -191,15 +193,22 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErro
 
 
 async def _submit(
-    svc: Services, sub: Submission, snap: Snapshot
+    svc: Services, sub: Submission, snap: Snapshot, records: list[Record] | None = None
 ) -> tuple[SubmitResult, ClassState]:
+    """Admit ``sub`` (or ``records`` for its tenant in its class)."""
     state = snap.classes[sub.cls]
-    result = await svc.store.submit(sub, state)
+
+    async def once(state: ClassState) -> SubmitResult:
+        if records is None:
+            return await svc.store.submit(sub, state)
+        return await svc.store.submit_records(sub, records, state)
+
+    result = await once(state)
     if result.verdict == "no_workers":
         # The cached snapshot may predate a worker that just registered (or one with a
         # bigger card): look again before refusing. Refusals only pay it.
         state = (await svc.pool.snapshot()).classes[sub.cls]
-        result = await svc.store.submit(sub, state)
+        result = await once(state)
     return result, state
 
 
@@ -217,7 +226,13 @@ async def submit_task(request: Request) -> JSONResponse:
     snap = await svc.pool.cached()
     add_headers(request, _class_headers(snap.classes[svc.settings.default_class]))
     principal = await caller(request)
-    sub = await parse_submission(request, principal, svc.settings, svc.catalog)
+    kind = content_type(request)
+    raw = None
+    if kind in JSON_LINES or kind == "application/json":
+        raw = await limited_body(request, svc.settings.bulk_max_body_bytes)
+        if kind in JSON_LINES or raw.lstrip()[:1] == b"[":
+            return await _submit_bulk(request, svc, principal, raw, kind in JSON_LINES)
+    sub = await parse_submission(request, principal, svc.settings, svc.catalog, raw)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
     result, state = await _submit(svc, sub, snap)
     if result.verdict == "idempotency_key_reused":
@@ -250,8 +265,38 @@ async def submit_task(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if replay else 202, headers=headers)
 
 
+async def _submit_bulk(
+    request: Request, svc: Services, principal: Principal, body: bytes, json_lines: bool
+) -> JSONResponse:
+    """Many tasks in one request, admitted whole (202 with one id per task) or refused
+    whole; an invalid task refuses it with 422 naming its index."""
+    if request.headers.get("idempotency-key") is not None:
+        message = (
+            "Idempotency-Key is for one task; a bulk submit is refused whole or accepted whole."
+        )
+        raise ApiError(422, "invalid_request", message)
+    bulk = await parse_bulk(body, json_lines, principal, svc.settings, svc.catalog)
+    sub = bulk.sub
+    snap = await svc.pool.cached()
+    add_headers(request, _class_headers(snap.classes[sub.cls]))
+    result, state = await _submit(svc, sub, snap, bulk.records)
+    if result.verdict != "accepted":
+        svc.recorder.count("rejected", sub.cls, result.verdict)
+        raise refusal(result, state, sub)
+    headers = _accepted_headers(request, svc, result, state, bulk.items)
+    est = result.estimated_wait_s
+    answer = {
+        "class": sub.cls,
+        "count": bulk.items,
+        "ids": bulk.ids,
+        "position": result.position,
+        "estimated_wait_s": None if est is None else round(est, 3),
+    }
+    return JSONResponse(answer, status_code=202, headers=headers)
+
+
 def _accepted_headers(
-    request: Request, svc: Services, result: SubmitResult, state: ClassState
+    request: Request, svc: Services, result: SubmitResult, state: ClassState, items: int = 1
 ) -> dict[str, str]:
     """What every accepted submit answers with (a 202, a replay's 200, the final
     record's 200): its Location, then ``Idempotent-Replayed`` for a replay, else the
@@ -260,7 +305,7 @@ def _accepted_headers(
     if result.verdict == "duplicate":
         headers["Idempotent-Replayed"] = "true"
         return headers
-    svc.recorder.count("submitted", result.cls, result.task_type)
+    svc.recorder.count("submitted", result.cls, result.task_type, n=items)
     pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
     headers.update(_backpressure(result.depth, result.estimated_wait_s, pressure))
     return headers
@@ -311,12 +356,15 @@ async def get_task(
     svc = services(request)
     principal = await caller(request)
     wait_s = query_wait(wait, svc.settings.wait_max_s)
-    record = await svc.store.get(task_id, principal.task_scope) if len(task_id) <= 64 else None
-    if record is None:
+    record_id, index = split_item_id(task_id)  # an item of a chunk reads the chunk
+    record = await svc.store.get(record_id, principal.task_scope) if len(task_id) <= 64 else None
+    if record is None or (index is not None and not index < (record["items"] or 0)):
         raise _not_found(task_id)
     if wait_s > 0 and record["status"] not in FINAL:
-        work = svc.waiters.until_final(task_id, principal.task_scope, wait_s)
+        work = svc.waiters.until_final(record_id, principal.task_scope, wait_s)
         record = await unless_disconnected(request.receive, work) or record
+    if index is not None:
+        record = chunk_item(record, index)
     # Encoded as it is (not walked by FastAPI's encoder, which recursed out on a deep
     # result): a task's result may nest deeper than a request may.
     return JSONResponse(record, headers=extra_headers(request))
@@ -329,6 +377,13 @@ async def cancel_task(task_id: str, request: Request) -> JSONResponse:
     principal = await caller(request)
     if len(task_id) > 64:
         raise _not_found(task_id)
+    chunk, index = split_item_id(task_id)
+    if index is not None:  # its chunk runs as one: canceling it would cancel the others
+        message = (
+            f"Task {task_id!r} is item {index} of chunk {chunk!r}, which runs as one; "
+            f"DELETE /tasks/{chunk} cancels the whole chunk."
+        )
+        raise ApiError(409, "part_of_chunk", message, chunk=chunk)
     result = await svc.store.cancel(task_id, principal.task_scope)
     if result.verdict == "not_found":
         raise _not_found(task_id)

@@ -105,11 +105,19 @@ local function fair_state(cls, t)
   return tonumber(f[1]) or 0, tonumber(f[2]) or 0, turn(f[3])
 end
 
--- Queue task `id` of class `cls` at the tail (or the head), in its tenant's lane too
--- when it has one (`lane`: the tenant, or ''/false).
-local function enqueue(cls, id, lane, at_head)
+-- Items queued in a class (max_queued and the wait estimate count items: a chunk is
+-- its `items`, a task 1). Every record joining the class list adds its items, every
+-- one leaving subtracts them (enqueue, unlist, dequeued).
+local function dequeued(cls, items)
+  redis.call('DECRBY', K.queued_items(cls), tonumber(items) or 1)
+end
+
+-- Queue task `id` (`items` of them: a chunk; nil: 1) of class `cls` at the tail (or
+-- the head), in its tenant's lane too when it has one (`lane`: the tenant, or ''/false).
+local function enqueue(cls, id, lane, at_head, items)
   local push = at_head and 'LPUSH' or 'RPUSH'
   redis.call(push, K.queue(cls), id)
+  redis.call('INCRBY', K.queued_items(cls), tonumber(items) or 1)
   if lane and lane ~= '' and redis.call(push, K.lane(cls, lane), id) == 1 then
     local v, tag = fair_state(cls, lane)
     redis.call('ZADD', K.lanes(cls), num(math.max(v, tag)), lane)
@@ -123,9 +131,11 @@ local function lane_idle(cls, t, next_tag)
   redis.call('HSET', K.fair(cls), 't:' .. t, num(next_tag))
 end
 
--- Charge tenant t (start tag `tag`) for the task just taken from its lane.
-local function charge(cls, t, tag)
+-- Charge tenant t (start tag `tag`) for the task just taken from its lane: one turn
+-- per item (a chunk of 64 costs what 64 tasks would).
+local function charge(cls, t, tag, items)
   local v, saved, cost = fair_state(cls, t)
+  cost = cost * (tonumber(items) or 1)
   -- No tag (the lanes' index lost the tenant): where a fresh lane of it would start.
   tag = tag or math.max(v, saved)
   redis.call('HSET', K.fair(cls), 'v', num(math.max(v, tag)))
@@ -136,12 +146,13 @@ local function charge(cls, t, tag)
   end
 end
 
--- Remove `id` (created at `created_ms`) from the class list, scanning from the end it
--- is nearer by age: a fair claim takes tasks from anywhere in a long backlog, and a
--- scan from the wrong end would cost in proportion to the whole backlog. `known`: the
--- list's head {id, created_ms} when the caller has just read it.
-local function unlist(cls, id, created_ms, now, known)
+-- Remove `id` (created at `created_ms`, holding `items`) from the class list, scanning
+-- from the end it is nearer by age: a fair claim takes tasks from anywhere in a long
+-- backlog, and a scan from the wrong end would cost in proportion to the whole
+-- backlog. `known`: the list's head {id, created_ms} when the caller has just read it.
+local function unlist(cls, id, created_ms, now, items, known)
   local qk = K.queue(cls)
+  dequeued(cls, items)
   local head = known and known[1] or redis.call('LINDEX', qk, 0)
   if head == id then redis.call('LPOP', qk); return end
   local oldest = known and tonumber(known[2])
@@ -258,8 +269,8 @@ local function requeue(id, cls, classes, extra, at_head)
   local jk = K.job(id)
   redis.call('HSET', jk, 'status', 'queued', 'worker_name', '', 'started_ms', '',
     'started_at', '', 'device', '', 'progress', '', unpack(extra))
-  local f = redis.call('HMGET', jk, 'lane', 'gpu_mb')
-  enqueue(cls, id, f[1], at_head)
+  local f = redis.call('HMGET', jk, 'lane', 'gpu_mb', 'items')
+  enqueue(cls, id, f[1], at_head, f[3])
   wake(cls, classes, f[2])
   notify(id)
 end

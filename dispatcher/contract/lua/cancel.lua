@@ -7,12 +7,12 @@
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local f = redis.call('HMGET', jk, 'status', 'tenant', 'origin', 'worker_name', 'quota', 'type',
-  'bytes', 'lane', 'created_ms')
+  'bytes', 'lane', 'created_ms', 'items')
 if not f[1] or (o.any_tenant ~= true and f[2] ~= o.tenant) then return {'not_found'} end
 if FINAL[f[1]] then return {'conflict', f[1]} end
 if f[1] == 'queued' then
   local now = now_ms()
-  unlist(f[3], o.id, f[9], now)
+  unlist(f[3], o.id, f[9], now, f[10])
   unlane(f[3], o.id, f[8])
   finalize(o.id, 'canceled', now, o.ttl_s, {'error', cjson.encode({code = 'canceled',
     message = 'Canceled before it started.'})}, quota_of(f[2], f[5]), f[3], f[7])

@@ -13,21 +13,22 @@
 -- finds it to ring its doorbell.
 -- Dynamic batching: when the task taken is of a type in `batch` ({type: max_size}),
 -- the same step takes the next tasks of the class (in the same order a claim would)
--- while they are of that type, up to max_size in all, and none while a higher class
--- has a task queued. Each is started and in flight exactly like a single claim; the
+-- while they are of that type, up to max_size items in all (a chunk brings its
+-- `items`; one larger than the room left waits for the next batch), and none while a
+-- higher class has a task queued. Each is started and in flight exactly like a single claim; the
 -- reaper gives back them all.
--- `more` ({class, type, n}): only take up to n more such tasks (a short batch waiting
--- for more); nothing is parked.
+-- `more` ({class, type, n}): only take up to n more items of such tasks (a short batch
+-- waiting for more); nothing is parked.
 -- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
 --           redeliver (the caller lost the reply of its last claim), batch, rank?, mem?,
 --           more?}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
--- started_ms, file|nil, type}; more than one only for a batch) or nil; with `more`,
+-- started_ms, file|nil, type, items}; more than one only for a batch) or nil; with `more`,
 -- {stop (1: stop waiting), task, ...}.
 local o = cjson.decode(ARGV[1])
 local w = o.worker
 local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type',
-  'gpu_mb', 'lane'}
+  'gpu_mb', 'lane', 'items'}
 -- A redelivery reads the run's owner and start with them, in the same HMGET.
 local RUN_FIELDS = {unpack(FIELDS)}
 RUN_FIELDS[#RUN_FIELDS + 1] = 'worker_name'
@@ -137,10 +138,17 @@ local function take(p, now)
     if index == 0 then redis.call('LPOP', key) else redis.call('LREM', key, 1, id) end
   end
   if not moved then
-    if t then unlist(c, id, f[5], now, p[8]) else redis.call('LREM', K.queue(c), 1, id) end
+    if t then
+      unlist(c, id, f[5], now, f[10], p[8])
+    else
+      redis.call('LREM', K.queue(c), 1, id)
+      dequeued(c, f[10])
+    end
     redis.call('RPUSH', ik, id)
+  else
+    dequeued(c, f[10])
   end
-  if t then charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t))) end
+  if t then charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t)), f[10]) end
 end
 
 -- The first class below position i whose oldest task waited longer than its aging.
@@ -161,7 +169,8 @@ end
 local function handed(id, c, f, attempts, started_ms)
   local file = false
   if f[6] == '1' then file = redis.call('GET', K.file(id)) end
-  return {id, c, f[2], attempts, f[4] or '', f[5] or '', started_ms, file, f[7] or ''}
+  return {id, c, f[2], attempts, f[4] or '', f[5] or '', started_ms, file, f[7] or '',
+    tonumber(f[10]) or 1}
 end
 
 local function start(p, now)
@@ -188,14 +197,17 @@ local function higher_queued(i)
   return false
 end
 
--- Start up to n more tasks of class c and type t into out, in claim order. Returns
--- true when waiting cannot bring more: the next task is another type's.
-local function take_same(c, t, n, now, out)
-  for _ = 1, n do
+-- Start more tasks of class c and type t into out, in claim order, while they fit in
+-- `room` items (a task is one, a chunk its `items`). Returns true when waiting cannot
+-- bring more: the next task is another type's, or a chunk larger than the room left.
+local function take_same(c, t, room, now, out)
+  while room > 0 do
     local p = peek(c)
     if not p then return false end
-    if p[3][7] ~= t then unpeek(p); return true end
+    local n = tonumber(p[3][10]) or 1
+    if p[3][7] ~= t or n > room then unpeek(p); return true end
     out[#out + 1] = start(p, now)
+    room = room - n
   end
   return false
 end
@@ -220,7 +232,7 @@ end
 local function with_batch(task, c, t, now)
   local out = {task}
   local size = t and o.batch and o.batch[t]
-  if size and size > 1 then take_same(c, t, size - 1, now, out) end
+  if size and size > 1 then take_same(c, t, size - task[10], now, out) end
   return out
 end
 

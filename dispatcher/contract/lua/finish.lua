@@ -11,7 +11,7 @@ local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local ik = K.inflight(o.worker, o.class)
 local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'attempts',
-  'origin', 'bytes', 'lane', 'created_ms')
+  'origin', 'bytes', 'lane', 'created_ms', 'items')
 if not f[1] then
   redis.call('LREM', ik, 0, o.id)
   return {'gone'}
@@ -21,7 +21,7 @@ local removed = redis.call('LREM', ik, 0, o.id)
 if FINAL[f[1]] then return {'duplicate', f[1]} end
 local now = now_ms()
 if removed == 0 then -- handed back, queued again: it leaves the queue and its lane
-  unlist(o.class, o.id, f[9], now)
+  unlist(o.class, o.id, f[9], now, f[10])
   unlane(o.class, o.id, f[8])
 end
 local extra = {}

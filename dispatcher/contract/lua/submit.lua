@@ -1,18 +1,29 @@
--- Admit a task and enqueue it, or refuse it, in one atomic step (invariant 5): N
--- concurrent submits against max_queued = M accept exactly M.
--- ARGV[1]: options (JSON, see dispatcher/store.py), ARGV[2]: the RQ call data,
--- ARGV[3]: the uploaded file's bytes ('' when there is none).
--- Fair share: with `lane` (the tenant, when tenants are configured) the task also joins
--- its tenant's lane (see the prelude), and its position and estimate count the tasks
--- fair order puts ahead of it, not the whole class queue; `weight` is the tenant's.
+-- Admit one request and enqueue it, or refuse it, in one atomic step (invariant 5): N
+-- concurrent submits against max_queued = M accept exactly M items. A request is one
+-- or more records of one class and tenant (a bulk submit's tasks and chunks, the
+-- chunks of /v1/embeddings), admitted whole or not at all.
+-- ARGV[1]: options (JSON, see dispatcher/api/store.py), with `records`, one
+-- {id, type, items, timeout, gpu_mb} per record; ARGV[2 .. n+1]: each record's RQ call
+-- data; ARGV[n+2]: the uploaded file's bytes ('' when there is none; a request with a
+-- file has one record).
+-- Limits count items (a task is one, a chunk its `items`): the class's queued items
+-- plus this request's against max_queued; the estimate is the time until its last
+-- item could start and run (est_ms below); `measured` false (no run time measured
+-- yet) never refuses for the wait.
+-- Fair share: with `lane` (the tenant, when tenants are configured) the records also
+-- join the tenant's lane (see the prelude), and the position and estimate count the
+-- work fair order puts ahead of it, not the whole class queue; `weight` is the tenant's.
 -- Returns {'accepted', id, depth_before, est_ms, ahead} | {'duplicate', id, status, class, type}
 --       | {'idempotency_key_reused', id}
 --       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms, limit}.
--- est_ms = -1: cannot estimate (no live worker serves the class). limit (queue_full):
--- 'depth' (max_queued), 'wait' (max_wait_s) or 'bytes' (max_queued_bytes).
+-- depth: items queued in the class before this request. est_ms = -1: cannot estimate
+-- (no live worker serves the class). limit (queue_full): 'depth' (max_queued), 'wait'
+-- (max_wait_s) or 'bytes' (max_queued_bytes).
 -- The idempotency key holds '<id> <fingerprint>' (the sha256 of the canonical request):
 -- the same key with another request is refused, never replayed.
 local o = cjson.decode(ARGV[1])
+local records = o.records
+local file = ARGV[#records + 2] or ''
 
 if o.idem ~= '' then
   local existing = redis.call('GET', K.idem(o.tenant, o.idem))
@@ -26,17 +37,29 @@ if o.idem ~= '' then
   end
 end
 
-local depth = redis.call('LLEN', K.queue(o.class))
+local qk = K.queue(o.class)
+local listed = redis.call('LLEN', qk)
+local depth = 0
+if listed > 0 then
+  depth = tonumber(redis.call('GET', K.queued_items(o.class))) or listed
+else -- an empty list holds no items: whatever drift a lost record left ends here
+  redis.call('DEL', K.queued_items(o.class))
+end
+local items = 0
+for _, r in ipairs(records) do items = items + r.items end
+
 local ahead = depth
 if o.lane ~= '' then
   redis.call('HSET', K.fair(o.class), 'w:' .. o.lane, o.weight)
-  ahead = fair_ahead(o.class, o.lane, redis.call('LLEN', K.lane(o.class, o.lane)))
+  local before = fair_ahead(o.class, o.lane, redis.call('LLEN', K.lane(o.class, o.lane)))
+  ahead = listed > 0 and math.floor(before * depth / listed + 0.5) or 0 -- records -> items
 end
--- The tasks ahead drain at the whole class's pace (big cards take small tasks too);
--- the task itself waits for one of the `workers` that can hold it.
+-- The items ahead drain at the whole class's pace (big cards take small tasks too);
+-- the request's own items at the pace of the `workers` that can hold them. run_s is the
+-- class's measured time per item (a batch's time shared among its items).
 local est_ms = -1
 if o.workers > 0 then
-  est_ms = math.ceil((ahead / o.serving + 1 / o.workers) * o.run_s * 1000)
+  est_ms = math.ceil((ahead / o.serving + items / o.workers) * o.run_s * 1000)
 end
 
 -- `workers`: live workers of the class whose card could hold the task; `serving`: all
@@ -44,32 +67,45 @@ end
 if o.workers == 0 and (o.reject_without_workers or o.serving > 0) then
   return {'no_workers', '', depth, est_ms, ''}
 end
-if depth >= o.max_queued then return {'queue_full', '', depth, est_ms, 'depth'} end
-if est_ms >= 0 and est_ms > o.max_wait_s * 1000 then
+if depth + items > o.max_queued then return {'queue_full', '', depth, est_ms, 'depth'} end
+if o.measured and est_ms >= 0 and est_ms > o.max_wait_s * 1000 then
   return {'queue_full', '', depth, est_ms, 'wait'}
 end
-local size = #ARGV[3]
+local size = #file
 if size > 0 and size + tonumber(redis.call('GET', K.queued_bytes(o.class)) or '0') > o.max_bytes then
   return {'queue_full', '', depth, est_ms, 'bytes'}
 end
-if o.max_in_flight > 0 and redis.call('ZCARD', K.tenant_tasks(o.tenant)) >= o.max_in_flight then
+local tk = K.tenant_tasks(o.tenant)
+if o.max_in_flight > 0 and redis.call('ZCARD', tk) + #records > o.max_in_flight then
   return {'over_quota', '', depth, est_ms, ''}
 end
 
 local now = now_ms()
 local ts = iso(now)
-redis.call('HSET', K.job(o.id), 'data', ARGV[2], 'origin', o.class, 'status', 'queued',
-  'created_at', ts, 'enqueued_at', ts, 'created_ms', now, 'description', o.type,
-  'timeout', math.ceil(o.timeout), 'timeout_s', o.timeout, 'result_ttl', o.ttl_s, 'failure_ttl', o.ttl_s, 'type', o.type,
-  'tenant', o.tenant, 'attempts', 0, 'lost', 0, 'has_file', ARGV[3] ~= '' and '1' or '0',
-  'quota', o.max_in_flight > 0 and '1' or '0', 'bytes', size, 'lane', o.lane,
-  'gpu_mb', o.gpu_mb)
-if size > 0 then redis.call('INCRBY', K.queued_bytes(o.class), size) end
-enqueue(o.class, o.id, o.lane, false)
-if ARGV[3] ~= '' then redis.call('SET', K.file(o.id), ARGV[3]) end
-if o.max_in_flight > 0 then redis.call('ZADD', K.tenant_tasks(o.tenant), now, o.id) end
-if o.idem ~= '' then
-  redis.call('SET', K.idem(o.tenant, o.idem), o.id .. ' ' .. o.fingerprint, 'EX', o.idem_ttl_s)
+local quota = o.max_in_flight > 0 and '1' or '0'
+local has_file = size > 0 and '1' or '0'
+for i, r in ipairs(records) do
+  local fields = {'data', ARGV[i + 1], 'origin', o.class, 'status', 'queued',
+    'created_at', ts, 'enqueued_at', ts, 'created_ms', now, 'description', r.type,
+    'timeout', math.ceil(r.timeout), 'timeout_s', r.timeout, 'result_ttl', o.ttl_s,
+    'failure_ttl', o.ttl_s, 'type', r.type, 'tenant', o.tenant, 'attempts', 0, 'lost', 0,
+    'has_file', has_file, 'quota', quota, 'bytes', size, 'lane', o.lane, 'gpu_mb', r.gpu_mb}
+  if r.items > 1 then fields[#fields + 1] = 'items'; fields[#fields + 1] = r.items end
+  redis.call('HSET', K.job(r.id), unpack(fields))
+  enqueue(o.class, r.id, o.lane, false, r.items)
+  if o.max_in_flight > 0 then redis.call('ZADD', tk, now, r.id) end
 end
-wake(o.class, o.classes, o.gpu_mb)
-return {'accepted', o.id, depth, est_ms, ahead}
+if size > 0 then
+  redis.call('INCRBY', K.queued_bytes(o.class), size)
+  redis.call('SET', K.file(records[1].id), file)
+end
+if o.idem ~= '' then
+  redis.call('SET', K.idem(o.tenant, o.idem), records[1].id .. ' ' .. o.fingerprint, 'EX',
+    o.idem_ttl_s)
+end
+-- One doorbell per record while parked workers fit (a record a worker cannot hold
+-- rings nobody: see wake).
+for _, r in ipairs(records) do
+  if not wake(o.class, o.classes, r.gpu_mb) and r.gpu_mb == 0 then break end
+end
+return {'accepted', records[1].id, depth, est_ms, ahead}

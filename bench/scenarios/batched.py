@@ -1,0 +1,203 @@
+"""Scenario batched: the dispatcher's cost per item of batched inference, and bulk submit.
+
+What a request's items cost when they travel together (``docs/design.md`` §4):
+
+- drain: a class queue filled first through the real API with N items of a batched
+  type (``bench.batch_noop``: a small result; ``bench.batch_vector``: a 384-float
+  vector, an embedding's size), submitted as bulk ``POST /tasks`` requests of up to
+  10,000 (packed into chunks of the type's batch size, 64); then one worker drains
+  it. Items/s from the first chunk's start to the last one's end (Redis clock).
+- Redis commands per item over the whole life of those items: ``CONFIG RESETSTAT``
+  before the first submit, ``INFO commandstats`` once the last chunk ended, divided
+  by N (commands inside scripts counted, as in the overhead scenario; the bench's own
+  completion polls subtracted).
+- bulk submit: one ``gpulane api`` process, one request of 10,000 tasks, for an
+  unbatched type (``bench.stamp``: 10,000 records) and a batched one (157 chunks);
+  tasks/s = 10,000 / the request's wall time as the client sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from bench import cmdstats
+from bench.harness import Stack
+from bench.report import Report, Table, Target
+from dispatcher.contract import keys
+from testkit import wait_for
+
+CLASS = "batch"
+TYPES = {"batch_noop": "bench.batch_noop", "batch_vector": "bench.batch_vector"}
+# The API publishes these types' catalog at start, so it admits them with no worker up.
+API = {"task_modules": '["worker.tasks.builtin","bench.gl_tasks"]'}
+PER_REQUEST = 10_000
+
+
+@dataclass(frozen=True)
+class Size:
+    items: int  # drained per type
+    bulk: int  # tasks in the one bulk request
+    rounds: int  # bulk requests timed (the median is reported)
+
+
+SIZES = {
+    "smoke": Size(items=640, bulk=500, rounds=1),
+    "quick": Size(items=40_000, bulk=10_000, rounds=3),
+    "full": Size(items=200_000, bulk=10_000, rounds=5),
+}
+
+
+def _fill(http: httpx.Client, task_type: str, n: int) -> list[str]:
+    """Queue ``n`` items through bulk submits; the chunks' ids, in order."""
+    chunks: list[str] = []
+    for start in range(0, n, PER_REQUEST):
+        tasks = [
+            {"type": task_type, "args": {"n": i}} for i in range(start, min(n, start + PER_REQUEST))
+        ]
+        response = http.post("/tasks", json=tasks)
+        response.raise_for_status()
+        for item in response.json()["ids"]:
+            chunk = item.rpartition(".")[0] or item
+            if not chunks or chunks[-1] != chunk:
+                chunks.append(chunk)
+    return chunks
+
+
+def _drained(client: redis.Redis, chunks: list[str], polls: list[int]) -> bool:
+    polls[0] += 1
+    return client.hget(keys.job(chunks[-1]), "status") in (b"finished", b"failed")
+
+
+def _span(client: redis.Redis, chunks: list[str]) -> tuple[float, int]:
+    """(seconds from the first start to the last end, failed chunks) on Redis' clock."""
+    pipe = client.pipeline(transaction=False)
+    for chunk in chunks:
+        pipe.hmget(keys.job(chunk), "started_ms", "ended_ms", "status")
+    rows = pipe.execute()
+    starts = [int(s) for s, _, _ in rows if s]
+    ends = [int(e) for _, e, _ in rows if e]
+    failed = sum(1 for *_, status in rows if status != b"finished")
+    return (max(ends) - min(starts)) / 1000, failed
+
+
+def drain(stack: Stack, http: httpx.Client, task_type: str, n: int) -> dict[str, Any]:
+    client = stack.client()
+    cmdstats.reset(client)
+    chunks = _fill(http, task_type, n)
+    worker = stack.gpulane_worker(f"w-{task_type}", wait=False)
+    polls = [0]
+    wait_for(lambda: _drained(client, chunks, polls), 600, f"{n} items of {task_type}")
+    stats = cmdstats.read(client)
+    stats["hget"] -= polls[0]
+    wait_for(lambda: all(s for s in _span_ready(client, chunks)), 60, "every chunk ended")
+    seconds, failed = _span(client, chunks)
+    worker.stop()
+    return {
+        "items": n,
+        "chunks": len(chunks),
+        "seconds": seconds,
+        "items_per_s": n / seconds if seconds > 0 else 0.0,
+        "commands_per_item": sum(stats.values()) / n,
+        "failed": failed,
+    }
+
+
+def _span_ready(client: redis.Redis, chunks: list[str]) -> list[bool]:
+    pipe = client.pipeline(transaction=False)
+    for chunk in chunks:
+        pipe.hget(keys.job(chunk), "ended_ms")
+    return [bool(v) for v in pipe.execute()]
+
+
+def bulk_rate(http: httpx.Client, task_type: str, n: int, rounds: int) -> dict[str, Any]:
+    """Tasks/s of one bulk request of ``n`` tasks (the median of ``rounds``)."""
+    tasks = [{"type": task_type, "args": {}} for _ in range(n)]
+    body = httpx.Request("POST", "/", json=tasks).content  # encoded once, outside the timing
+    headers = {"content-type": "application/json"}
+    seconds = []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        response = http.post("/tasks", content=body, headers=headers)
+        seconds.append(time.perf_counter() - began)
+        response.raise_for_status()
+        assert response.json()["count"] == n
+    seconds.sort()
+    median = seconds[len(seconds) // 2]
+    return {"tasks": n, "seconds": median, "tasks_per_s": n / median}
+
+
+def measure(size: Size) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for name, task_type in TYPES.items():
+        with Stack() as stack:
+            _, url = stack.gpulane_api([CLASS, "interactive"], **API)
+            with httpx.Client(base_url=url, timeout=120) as http:
+                data[name] = drain(stack, http, task_type, size.items)
+    with Stack() as stack:
+        _, url = stack.gpulane_api([CLASS, "interactive"], **API)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            bulk_rate(http, "bench.stamp", 10, 1)  # warm the API's first-request paths
+            data["bulk_unbatched"] = bulk_rate(http, "bench.stamp", size.bulk, size.rounds)
+            data["bulk_batched"] = bulk_rate(http, "bench.batch_noop", size.bulk, size.rounds)
+    return data
+
+
+def run(size: str, outdir: Path) -> Report:
+    data = measure(SIZES[size])
+    report = Report("batched", size)
+    noop, vector = data["batch_noop"], data["batch_vector"]
+    rows = [
+        [
+            name,
+            d["items"],
+            d["chunks"],
+            d["seconds"],
+            d["items_per_s"],
+            d["commands_per_item"],
+            d["failed"],
+        ]
+        for name, d in (("bench.batch_noop", noop), ("bench.batch_vector (384 floats)", vector))
+    ]
+    report.tables.append(
+        Table(
+            "One worker drains a filled queue (bulk-submitted, chunks of 64)",
+            ["type", "items", "chunks", "s", "items/s", "Redis commands per item", "failed chunks"],
+            rows,
+        )
+    )
+    bulk = [
+        ["bench.stamp (unbatched: a record per task)", *_bulk_row(data["bulk_unbatched"])],
+        ["bench.batch_noop (chunks of 64)", *_bulk_row(data["bulk_batched"])],
+    ]
+    report.tables.append(
+        Table(
+            "One bulk POST /tasks, one API process",
+            ["type", "tasks", "s (median)", "tasks/s"],
+            bulk,
+        )
+    )
+    report.targets += [
+        Target("batched no-op, one worker", "3,643 items/s", ">= 20,000 items/s",
+               f"{noop['items_per_s']:,.0f} items/s", noop["items_per_s"] >= 20_000),
+        Target("batched, 384-float result, one worker", "1,864 items/s", ">= 10,000 items/s",
+               f"{vector['items_per_s']:,.0f} items/s", vector["items_per_s"] >= 10_000),
+        Target("Redis commands per batched item (batch 64)", "13.2", "<= 3",
+               f"{noop['commands_per_item']:.2f}", noop["commands_per_item"] <= 3),
+        Target("bulk submit, one API process, one request of 10,000 tasks", "-",
+               ">= 20,000 tasks/s",
+               f"{data['bulk_unbatched']['tasks_per_s']:,.0f} tasks/s (unbatched), "
+               f"{data['bulk_batched']['tasks_per_s']:,.0f} (batched)",
+               data["bulk_unbatched"]["tasks_per_s"] >= 20_000),
+    ]  # fmt: skip
+    report.write(outdir)
+    return report
+
+
+def _bulk_row(d: dict[str, Any]) -> list[Any]:
+    return [d["tasks"], d["seconds"], d["tasks_per_s"]]

@@ -1,0 +1,166 @@
+"""Bulk submit (``POST /tasks`` with a JSON array or JSON Lines) and chunks: a request's
+items travel together. Real Redis, real API, real worker processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from conftest import WorkerFactory, make_settings, wait_status
+
+from dispatcher.contract import keys
+from dispatcher.contract.settings import ClassConfig, Settings
+from testkit import wait_for
+
+ECHO = "test.batch_echo"  # batched, max size 4: items pack into chunks of 4
+FINAL = {"succeeded", "failed", "canceled"}
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return make_settings(
+        redis_url,
+        classes={"interactive": ClassConfig(max_wait_s=30), "batch": ClassConfig(max_queued=50)},
+    )
+
+
+def _echoes(n: int, path: Path | None = None, **args: Any) -> list[dict[str, Any]]:
+    extra = {"path": str(path)} if path else {}
+    return [{"type": ECHO, "args": {"value": i, **extra, **args}} for i in range(n)]
+
+
+def _bulk(http: httpx.Client, tasks: list[dict[str, Any]], status: int = 202) -> dict[str, Any]:
+    response = http.post("/tasks", json=tasks)
+    assert response.status_code == status, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def _queued(r: redis.Redis, cls: str = "batch") -> tuple[int, int]:
+    """(records listed, items counted) in the class."""
+    return r.llen(keys.queue(cls)), int(r.get(keys.queued_items(cls)) or 0)
+
+
+def test_a_bulk_of_a_batched_type_packs_into_chunks_and_reads_per_item(
+    known_types: None,
+    http: httpx.Client,
+    r: redis.Redis,
+    start_worker: WorkerFactory,
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "calls"
+    body = _bulk(http, _echoes(10, log))
+    assert body["count"] == 10 and len(body["ids"]) == 10 and body["class"] == "batch"
+    chunks = sorted({i.rpartition(".")[0] for i in body["ids"]})
+    assert len(chunks) == 3  # 4 + 4 + 2 items
+    assert _queued(r) == (3, 10)
+    queued = http.get(f"/tasks/{body['ids'][5]}").json()
+    assert queued["status"] == "queued" and queued["chunk"] in chunks
+    start_worker()
+    records = [wait_status(http, i, FINAL, 30) for i in body["ids"]]
+    assert [rec["result"] for rec in records] == [{"value": i} for i in range(10)]
+    assert [rec["id"] for rec in records] == body["ids"]
+    assert all(rec["status"] == "succeeded" for rec in records)
+    # Each chunk ran as one batch (the worker's batch is 4 items: two chunks never share).
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(calls) == sorted([["0", "1", "2", "3"], ["4", "5", "6", "7"], ["8", "9"]])
+    assert _queued(r) == (0, 0)
+    whole = http.get(f"/tasks/{chunks[0]}").json()
+    assert whole["items"] in (2, 4) and len(whole["result"]["results"]) == whole["items"]
+
+
+def test_an_item_that_fails_fails_alone_in_its_chunk(
+    known_types: None, http: httpx.Client, start_worker: WorkerFactory
+) -> None:
+    tasks = _echoes(4)
+    tasks[2]["args"]["fail"] = True
+    body = _bulk(http, tasks)
+    start_worker()
+    records = [wait_status(http, i, FINAL, 30) for i in body["ids"]]
+    assert [rec["status"] for rec in records] == ["succeeded", "succeeded", "failed", "succeeded"]
+    assert records[2]["error"] == {"code": "bad_item", "message": "item 2 fails"}
+    assert records[2]["result"] is None and records[3]["result"] == {"value": 3}
+
+
+def test_json_lines_and_unbatched_tasks_each_get_their_own_record(
+    known_types: None, http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    lines = [json.dumps({"type": "echo", "args": {"n": i}}) for i in range(5)]
+    response = http.post(
+        "/tasks", content="\n".join(lines) + "\n", headers={"content-type": "application/x-ndjson"}
+    )
+    assert response.status_code == 202, response.text
+    ids = response.json()["ids"]
+    assert len(ids) == 5 and all("." not in i for i in ids)  # a task each: spread over workers
+    assert _queued(r) == (5, 5)
+    start_worker()
+    assert [wait_status(http, i, FINAL)["result"] for i in ids] == [{"n": i} for i in range(5)]
+
+
+def test_an_invalid_task_refuses_the_whole_bulk_naming_its_index(
+    known_types: None, http: httpx.Client, r: redis.Redis
+) -> None:
+    tasks = _echoes(6)
+    tasks[3]["args"] = {"value": "not a number"}
+    body = _bulk(http, tasks, 422)
+    assert body["index"] == 3 and body["message"].startswith("tasks[3]:")
+    tasks[3] = {"type": "no.such.type"}
+    assert _bulk(http, tasks, 422)["error"] == "unknown_task_type"
+    tasks[3] = {"type": ECHO, "class": "interactive", "args": {"value": 3}}
+    assert "one class" in _bulk(http, tasks, 422)["message"]
+    assert _queued(r) == (0, 0)  # nothing was enqueued by any of them
+
+
+def test_bulk_limits_count_items(known_types: None, http: httpx.Client, r: redis.Redis) -> None:
+    # max_queued is 50 items: more than that in one request can never fit (422) ...
+    assert _bulk(http, _echoes(51), 422)["error"] == "too_many_items"
+    # ... 40 fit, and 11 more are refused for now (503 with Retry-After), whole.
+    _bulk(http, _echoes(40))
+    refused = http.post("/tasks", json=_echoes(11))
+    assert refused.status_code == 503 and refused.json()["error"] == "queue_full"
+    assert "retry-after" in refused.headers
+    assert _queued(r) == (10, 40)
+    _bulk(http, _echoes(10))
+    assert _queued(r)[1] == 50
+    assert http.get("/queues").json()["classes"][1]["depth"] == 50
+    assert http.post("/tasks", json={"type": ECHO, "args": {"value": 1}}).status_code == 503
+
+
+def test_bulk_refuses_idempotency_keys_and_empty_bodies(
+    known_types: None, http: httpx.Client
+) -> None:
+    response = http.post("/tasks", json=_echoes(2), headers={"Idempotency-Key": "k1"})
+    assert response.status_code == 422 and "Idempotency-Key" in response.json()["message"]
+    assert http.post("/tasks", json=[]).status_code == 400
+
+
+def test_an_item_of_a_chunk_is_canceled_with_its_chunk(
+    known_types: None, http: httpx.Client, r: redis.Redis
+) -> None:
+    ids = _bulk(http, _echoes(3))["ids"]
+    item = http.delete(f"/tasks/{ids[1]}")
+    assert item.status_code == 409 and item.json()["error"] == "part_of_chunk"
+    chunk = item.json()["chunk"]
+    assert http.delete(f"/tasks/{chunk}").status_code == 200
+    assert [http.get(f"/tasks/{i}").json()["status"] for i in ids] == ["canceled"] * 3
+    assert _queued(r) == (0, 0)
+    assert http.get(f"/tasks/{chunk}.3").status_code == 404  # past its items
+
+
+def test_a_worker_killed_mid_chunk_loses_no_item(
+    known_types: None, http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    ids = _bulk(http, _echoes(4, seconds=1.0))["ids"]
+    chunk = ids[0].rpartition(".")[0]
+    doomed = start_worker("doomed")
+    wait_for(lambda: r.hget(keys.job(chunk), "status") == b"started", 15, what="chunk started")
+    doomed.kill()  # SIGKILL mid-call
+    start_worker("heir")
+    records = [wait_status(http, i, FINAL, 30) for i in ids]
+    assert [rec["result"] for rec in records] == [{"value": i} for i in range(4)]
+    assert {rec["worker"] for rec in records} == {"heir"}
+    assert all(rec["attempts"] == 2 for rec in records)  # the chunk's lease, per item
