@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from dispatcher.contract.jobs import encode_call
 from worker.batching import BatchRunner
 from worker.broker import Claimed
-from worker.execute import Interrupts, Runner
+from worker.execute import Interrupts, Outcome, Runner
 from worker.registry import Batch, Registry, TaskCanceled
 
 
@@ -52,20 +52,45 @@ def test_a_request_for_another_run_is_ignored() -> None:
         time.sleep(5)
 
 
+def _run(runner: Runner, claimed: Claimed) -> Outcome:
+    """A single task through the one run path: a batch of one."""
+    (item,) = BatchRunner(runner).run([claimed])
+    assert item.outcome is not None
+    return item.outcome
+
+
 def test_cancel_before_the_run_starts_is_kept(runner: tuple[Runner, list[str]]) -> None:
     run, ran = runner
     run.cancel("t1")  # the heartbeat saw the cancel between claim and start
-    outcome, _ = run.run(_claimed("t1"))
-    assert outcome.status == "canceled" and ran == []
-    outcome, _ = run.run(_claimed("t2"))  # other tasks are not affected
+    assert _run(run, _claimed("t1")).status == "canceled" and ran == []
+    outcome = _run(run, _claimed("t2"))  # other tasks are not affected
     assert outcome.status == "finished" and ran == ["t2"]
+    assert outcome.result_json == '"woke"'
 
 
 def test_cancel_of_the_running_task_stops_it(runner: tuple[Runner, list[str]]) -> None:
     run, _ = runner
     threading.Timer(0.2, run.cancel, args=("t3",)).start()
-    outcome, _ = run.run(_claimed("t3", seconds=30))
-    assert outcome.status == "canceled"
+    assert _run(run, _claimed("t3", seconds=30)).status == "canceled"
+
+
+def test_a_single_task_times_out_and_refuses_what_it_cannot_run(
+    runner: tuple[Runner, list[str]],
+) -> None:
+    run, _ = runner
+    slow = Claimed("t4", "batch", encode_call("nap", {"seconds": 30}), 1, 0.2, None, 0, None)
+    timed_out = _run(run, slow)
+    assert timed_out.status == "failed" and timed_out.error == {
+        "code": "timeout",
+        "message": "Ran past its timeout of 0.2 s.",
+    }
+    unknown = Claimed("t5", "batch", encode_call("nope", {}), 1, 30.0, None, 0, None)
+    assert (_run(run, unknown).error or {})["code"] == "unknown_task_type"
+    chunk = encode_call("nap", {}, items=[{}, {}])  # a chunk of a type that is not batched
+    refused = _run(run, Claimed("t6", "batch", chunk, 1, 30.0, None, 0, None, "nap", 2))
+    assert (refused.error or {})["code"] == "invalid_args"
+    bad = _run(run, Claimed("t7", "batch", b"\x80", 1, 30.0, None, 0, None))  # not a call
+    assert (bad.error or {})["code"] == "refused"
 
 
 def test_cancel_before_a_batch_starts_keeps_the_item_out_of_the_call() -> None:

@@ -1,4 +1,9 @@
-"""Dynamic batching: running several claimed records of one batched type in one call.
+"""The worker's one run path: claimed records in, one :class:`Outcome` per record out.
+
+A single task is a batch of one: decoding and refusing a call, checking its args,
+the timeout, cancels, interrupts and the GPU clean-up are written here once, for every
+type. A type that is not batched runs its handler once per record (one args, one
+context); a batched type runs the valid items of all the claimed records in one call.
 
 A record is a task (one item) or a chunk (several items of one request travelling
 together, ``docs/design.md`` §4). A batched type's handler takes a list of validated
@@ -22,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from dispatcher.contract.jobs import CallRefused, decode_call
+from dispatcher.contract.jobs import Call, CallRefused, decode_call
 from dispatcher.contract.settings import Settings
 from worker.broker import Claimed
 from worker.execute import (
@@ -42,6 +47,7 @@ from worker.registry import (
     TaskFailure,
     TaskSpec,
     TaskTimeout,
+    UploadedFile,
 )
 
 __all__ = ["BatchRunner", "Item", "batch_policies"]
@@ -82,7 +88,8 @@ class Item:
 
 
 class BatchRunner:
-    """Runs a batch through :class:`Runner`'s interrupts, cancels and result encoding."""
+    """Runs claimed records (a task, or a batch) through :class:`Runner`'s interrupts,
+    cancels and result encoding."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -93,8 +100,11 @@ class BatchRunner:
         if pending:
             spec = self.runner.registry.get(pending[0].ctx.task_type)  # type: ignore[union-attr]
             assert spec is not None  # _prepare checked
+            # A type that is not batched runs each record in a call of its own.
+            groups = [pending] if spec.batch is not None else [[item] for item in pending]
             try:
-                self._run(spec, pending)
+                for group in groups:
+                    self._run(spec, group)
             finally:
                 self.runner.end_batch()
         if any(
@@ -104,6 +114,7 @@ class BatchRunner:
         return items
 
     def _prepare(self, claimed: Claimed) -> Item:
+        """Decode the record and check its args; ``outcome`` is set when it cannot run."""
         item = Item(claimed)
         runner = self.runner
         try:
@@ -111,33 +122,32 @@ class BatchRunner:
         except CallRefused as exc:
             item.outcome = Outcome.fail("refused", f"Refused: {exc}.")
             return item
+        upload = None
+        if call.file is not None and claimed.file is not None:
+            upload = UploadedFile(call.file.name, call.file.content_type, claimed.file)
         item.ctx = RunningTask(
-            claimed, call.task_type, None, runner.device, runner.sink, runner.worker
+            claimed, call.task_type, upload, runner.device, runner.sink, runner.worker
         )
         spec = runner.registry.get(call.task_type)
-        if spec is None or spec.batch is None:
-            item.outcome = Outcome.fail(
-                "unknown_task_type", f"This worker does not batch task type {call.task_type!r}."
-            )
-        elif call.file is not None:
-            item.outcome = Outcome.fail("invalid_args", "A batched task type takes no file.")
-        elif call.items is None:
+        item.outcome = _unrunnable(spec, call, upload is not None, runner.registry)
+        if item.outcome is not None or spec is None:
+            return item
+        if call.items is None:
             try:
                 item.args = [spec.args_model.model_validate(call.args)]
             except ValidationError as exc:
-                message = f"Invalid arguments for {call.task_type!r}: {exc}"
-                item.outcome = Outcome.fail("invalid_args", message)
-        else:
-            item.chunk = True
-            for index, raw in enumerate(call.items):
-                try:
-                    item.args.append(spec.args_model.model_validate(raw))
-                except ValidationError as exc:
-                    item.args.append(None)
-                    message = f"Invalid arguments for {call.task_type!r}: {exc}"
-                    item.errors[str(index)] = {"code": "invalid_args", "message": message}
-            if not item.valid:  # nothing to run: the chunk's result is its errors
-                item.outcome = self.runner.encode_chunk(item.args, [], item.errors)
+                item.outcome = Outcome.fail("invalid_args", _invalid(call.task_type, exc))
+            return item
+        item.chunk = True
+        for index, raw in enumerate(call.items):
+            try:
+                item.args.append(spec.args_model.model_validate(raw))
+            except ValidationError as exc:
+                item.args.append(None)
+                message = _invalid(call.task_type, exc)
+                item.errors[str(index)] = {"code": "invalid_args", "message": message}
+        if not item.valid:  # nothing to run: the chunk's result is its errors
+            item.outcome = runner.encode_chunk(item.args, [], item.errors)
         return item
 
     def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
@@ -171,7 +181,10 @@ class BatchRunner:
         per_item = [i.ctx for i in pending for _ in i.valid]  # a chunk's share its ctx
         try:
             with self.runner.interrupts.armed(max(left, 0.001), lead):
-                values = spec.handler(args, per_item)
+                if spec.batch is not None:
+                    values = spec.handler(args, per_item)
+                else:  # one record, one item: the handler takes (args, ctx)
+                    values = [spec.handler(args[0], lead)]
         except TaskTimeout:
             self._timed_out(pending)
             return False
@@ -236,3 +249,26 @@ def _one(value: Any, runner: Runner) -> Outcome:
     if isinstance(value, BaseException):
         return Outcome.fail("task_error", f"{type(value).__name__}: {value}")
     return runner.encode(value)
+
+
+def _invalid(task_type: str, exc: ValidationError) -> str:
+    return f"Invalid arguments for {task_type!r}: {exc}"
+
+
+def _unrunnable(
+    spec: TaskSpec | None, call: Call, has_file: bool, registry: Registry
+) -> Outcome | None:
+    """Why this worker cannot run the call (the API refuses all of these with a 422
+    first; a worker checks again, for jobs written by other means), or None."""
+    if spec is None:
+        return Outcome.fail(
+            "unknown_task_type",
+            f"This worker does not run task type {call.task_type!r}; it runs {registry.names()}.",
+        )
+    if call.items is not None and spec.batch is None:
+        return Outcome.fail("invalid_args", f"Task type {call.task_type!r} takes no chunks.")
+    if spec.batch is not None and call.file is not None:
+        return Outcome.fail("invalid_args", "A batched task type takes no file.")
+    if spec.file == "required" and not has_file:
+        return Outcome.fail("invalid_args", f"Task type {call.task_type!r} needs an uploaded file.")
+    return None

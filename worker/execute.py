@@ -1,4 +1,6 @@
-"""Running one claimed task in the worker's own process (invariant 2: no fork).
+"""What running a claimed task in the worker's own process needs (invariant 2: no
+fork): outcomes, interrupts, the task's context and the :class:`Runner`'s state and
+verdicts. The run path itself is :class:`worker.batching.BatchRunner`.
 
 The handler runs in the main thread. It is stopped by raising an exception into that
 thread from a signal handler: ``SIGALRM`` for its timeout, ``SIGUSR1`` when another
@@ -23,10 +25,8 @@ from typing import Any
 
 import orjson
 
-from dispatcher.contract.jobs import CallRefused, decode_call
-from worker import entry
 from worker.broker import Claimed
-from worker.gpu.health import classify, describe, free_cached_memory
+from worker.gpu.health import classify, describe
 from worker.registry import (
     Registry,
     TaskCanceled,
@@ -184,7 +184,9 @@ class RunningTask:
 
 
 class Runner:
-    """Turns a claimed task into an :class:`Outcome`; never raises for a task's fault."""
+    """What a run needs beyond its records: the registry, the interrupts, the run in
+    progress (for cancels and the watchdog) and the verdicts on how it ended (never
+    raising for a task's fault)."""
 
     def __init__(
         self,
@@ -234,45 +236,6 @@ class Runner:
     def end_batch(self) -> None:
         with self._lock:
             self.batch = []
-            self.current = None
-
-    def _start(self, ctx: RunningTask) -> bool:
-        """Make ``ctx`` the current run; False if it was canceled before it began."""
-        with self._lock:
-            self.current = ctx
-            if ctx.task_id in self._early_cancels:
-                ctx.request_cancel()
-        return not ctx.cancelled()
-
-    def run(self, claimed: Claimed) -> tuple[Outcome, RunningTask | None]:
-        outcome, ctx = self._run(claimed)
-        if outcome.error and outcome.error.get("code") == "gpu_out_of_memory":
-            free_cached_memory()  # here, once the task's frames and exception are gone
-        return outcome, ctx
-
-    def _run(self, claimed: Claimed) -> tuple[Outcome, RunningTask | None]:
-        try:
-            call = decode_call(claimed.data)
-        except CallRefused as exc:
-            return Outcome.fail("refused", f"Refused: {exc}."), None
-        upload = None
-        if call.file is not None and claimed.file is not None:
-            upload = UploadedFile(call.file.name, call.file.content_type, claimed.file)
-        ctx = RunningTask(claimed, call.task_type, upload, self.device, self.sink, self.worker)
-        if not self._start(ctx):
-            self.current = None
-            return canceled(), ctx
-        try:
-            with self.interrupts.armed(claimed.timeout_s, ctx):
-                value = entry.run(call.task_type, call.args, ctx=ctx, registry=self.registry)
-            if ctx.cancelled():  # the handler saw cancelled() and stopped early
-                return canceled(), ctx
-            return self.encode(value), ctx
-        except TaskInterrupt as exc:
-            return self.interrupted(exc, claimed), ctx
-        except Exception as exc:  # noqa: BLE001 - any handler error becomes its outcome
-            return self.failed(exc, claimed, ctx), ctx
-        finally:
             self.current = None
 
     def interrupted(self, exc: TaskInterrupt, claimed: Claimed) -> Outcome:

@@ -92,11 +92,7 @@ class WorkerLoop:
             was_idle = False
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
-            task_type = claims[0].task_type  # from claim.lua: no decode to route it
-            if task_type in self.batches or claims[0].items > 1:
-                self._execute_batch(claims, task_type)
-            else:
-                self._execute(claims[0])
+            self._execute(claims)
         self._unpark()
 
     def _fill(self, claims: list[Claimed], task_type: str) -> list[Claimed]:
@@ -124,18 +120,24 @@ class WorkerLoop:
             time.sleep(max(min(poll_s, deadline - time.monotonic()), 0))
         return claims
 
-    def _execute_batch(self, claims: list[Claimed], task_type: str) -> None:
+    def _execute(self, claims: list[Claimed]) -> None:
+        """Run what one claim took (a task is a batch of one) and report it."""
+        task_type = claims[0].task_type  # from claim.lua: no decode to route it
         policy = self.batches.get(task_type)
         if policy is not None and _items(claims) < policy.max_size:
             claims = self._fill(claims, task_type)
         self.state.set("busy")
-        log.info(
-            "batch of %d items (%d records) started",
-            _items(claims),
-            len(claims),
-            extra={"worker": self.broker.name, "class": claims[0].cls, "type": task_type},
-        )
-        self.recorder.observe("batch_size", _items(claims), task_type)
+        for claimed in claims:
+            extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
+            log.info("task started", extra={**extra, "attempt": claimed.attempt})
+        if policy is not None:
+            log.info(
+                "batch of %d items (%d records) started",
+                _items(claims),
+                len(claims),
+                extra={"worker": self.broker.name, "class": claims[0].cls, "type": task_type},
+            )
+            self.recorder.observe("batch_size", _items(claims), task_type)
         items = self._batch_runner.run(claims)
         runs = []
         for item in items:
@@ -161,13 +163,6 @@ class WorkerLoop:
 
     def _wait_out(self, exc: RedisError) -> None:
         wait_out(self._backoff, exc, self.broker.name)
-
-    def _execute(self, claimed: Claimed) -> None:
-        self.state.set("busy")
-        extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
-        log.info("task started", extra={**extra, "attempt": claimed.attempt})
-        outcome, ctx = self.runner.run(claimed)
-        self._conclude([Concluded(claimed, outcome, ctx)])
 
     def _conclude(self, runs: list[Concluded], batch_items: int = 1) -> None:
         """Report the outcomes (a batch's in one round trip), log and count each.

@@ -306,7 +306,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     openapi_extra=_EMBEDDINGS_BODY,
     responses=_errors(400, 401, 403, 404, 413, 429, 499, 502, 503, 504),
 )
-async def embeddings(request: Request) -> JSONResponse:
+async def embeddings(request: Request) -> Response:
     """One task per input, in class `openai_class`; answers when all have ended."""
     try:
         return await _embeddings(request)
@@ -316,7 +316,7 @@ async def embeddings(request: Request) -> JSONResponse:
         return _openai_error(store_failure(exc, request), request)
 
 
-async def _embeddings(request: Request) -> JSONResponse:
+async def _embeddings(request: Request) -> Response:
     svc = services(request)
     principal = await caller(request)
     body = await _body(request, svc)
