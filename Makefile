@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test test-slow screenshot lint fmt bench clean
+.PHONY: run test test-slow screenshot lint fmt bench gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ $(VENV)/.bench-deps: pyproject.toml | $(BIN)/python
 bench: $(VENV)/.run-deps $(VENV)/.bench-deps ## benchmarks (never in `make test`): BENCH_ARGS="--quick overhead"
 	@scripts/ensure-redis.sh
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+gpu-check: ## on a GPU machine (at most 8 min): NVML, the embed benches on cuda, a SIGKILL mid-CUDA
+	@scripts/ensure-redis.sh
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .test-logs *.egg-info

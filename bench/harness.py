@@ -32,6 +32,17 @@ from testkit import CLI, free_port, http_ok, redis_argv, wait_for, wait_redis
 REPO = Path(__file__).resolve().parents[1]
 BENCH_TASKS = "bench.gl_tasks"  # gpulane task module loaded by the bench workers
 
+
+def bench_gpu() -> str:
+    """The workers' ``--gpu``: none (the CPU) unless BENCH_GPU says (gpu-check: auto)."""
+    return os.environ.get("BENCH_GPU", "none")
+
+
+def bench_device() -> str:
+    """Where the bench runs a model in-process: the GPU when the workers have one."""
+    return "cpu" if bench_gpu() == "none" else "cuda"
+
+
 # Class limits raised so admission never refuses during a benchmark.
 # Benchmarks measure dispatch, never admission: classes that never refuse.
 OPEN_CLASS = {"max_queued": 10_000_000, "max_wait_s": 1e9, "reject_without_workers": False}
@@ -166,7 +177,7 @@ class Stack:
         tasks: str = f"worker.tasks.builtin,{BENCH_TASKS}",
     ) -> list[str]:
         """The ``gpulane worker`` command line :meth:`gpulane_worker` runs."""
-        argv = [*CLI, "worker", "--gpu", "none", "--name", name]
+        argv = [*CLI, "worker", "--gpu", bench_gpu(), "--name", name]
         argv += ["--tasks", tasks]
         if serve:
             argv += ["--classes", ",".join(serve)]

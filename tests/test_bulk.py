@@ -11,6 +11,7 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, make_settings, wait_status
+from support.catalog import tenant
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import ClassConfig, Settings
@@ -41,8 +42,9 @@ def _bulk(http: httpx.Client, tasks: list[dict[str, Any]], status: int = 202) ->
 
 
 def _queued(r: redis.Redis, cls: str = "batch") -> tuple[int, int]:
-    """(records listed, items counted) in the class."""
-    return r.llen(keys.queue(cls)), int(r.get(keys.queued_items(cls)) or 0)
+    """(records listed, items queued) in the class."""
+    listed = r.llen(keys.queue(cls))
+    return listed, listed + int(r.get(keys.queued_extra(cls)) or 0)
 
 
 def test_a_bulk_of_a_batched_type_packs_into_chunks_and_reads_per_item(
@@ -130,6 +132,17 @@ def test_bulk_limits_count_items(known_types: None, http: httpx.Client, r: redis
     assert http.post("/tasks", json={"type": ECHO, "args": {"value": 1}}).status_code == 503
 
 
+def test_a_bulk_that_no_quota_could_hold_is_a_422(
+    known_types: None, redis_url: str, api_factory: Any, r: redis.Redis
+) -> None:
+    api = api_factory(make_settings(redis_url, tenants=[tenant("t", "k" * 20, max_in_flight=5)]))
+    with httpx.Client(base_url=api.url, headers={"authorization": "Bearer " + "k" * 20}) as http:
+        tasks = [{"type": "echo", "args": {"n": i}} for i in range(6)]
+        body = _bulk(http, tasks, 422)
+        assert body["error"] == "too_many_items" and body["max_in_flight"] == 5
+    assert _queued(r) == (0, 0)
+
+
 def test_bulk_refuses_idempotency_keys_and_empty_bodies(
     known_types: None, http: httpx.Client
 ) -> None:
@@ -164,3 +177,38 @@ def test_a_worker_killed_mid_chunk_loses_no_item(
     assert [rec["result"] for rec in records] == [{"value": i} for i in range(4)]
     assert {rec["worker"] for rec in records} == {"heir"}
     assert all(rec["attempts"] == 2 for rec in records)  # the chunk's lease, per item
+
+
+def test_bulk_size_limits_are_a_single_tasks_per_task(
+    known_types: None, http: httpx.Client, r: redis.Redis
+) -> None:
+    big = "x" * (1024 * 1024)  # one task over max_body_bytes (1 MiB), inside a bulk
+    response = http.post(
+        "/tasks", json=[{"type": "echo", "args": {"n": 1}}, {"type": "echo", "args": {"s": big}}]
+    )
+    assert response.status_code == 413 and response.json()["index"] == 1
+    # A single task's body is refused past max_body_bytes, not the bulk limit.
+    single = http.post("/tasks", json={"type": "echo", "args": {"s": big}})
+    assert single.status_code == 413 and single.json()["limit_bytes"] == 1024 * 1024
+    assert _queued(r) == (0, 0)
+
+
+def test_retry_after_waits_for_room_for_the_whole_request(
+    known_types: None, http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    start_worker()
+    ids = _bulk(http, _echoes(40, seconds=20))["ids"]  # one chunk runs, 36 items wait
+    wait_for(lambda: _queued(r) == (9, 36), 15, what="the worker to take one chunk")
+    assert http.get(f"/tasks/{ids[0]}").json()["status"] == "running"
+
+    def small_refused() -> httpx.Response | None:
+        # Refused while the API's cached view of the pool (one heartbeat old at most)
+        # predates the worker: estimated wait -1, Retry-After the no-worker 5 s.
+        response = http.post("/tasks", json=_echoes(15))
+        return response if response.headers["gpulane-estimated-wait"] != "-1" else None
+
+    small = wait_for(small_refused, 10, what="the API to see the worker")
+    big = http.post("/tasks", json=_echoes(30))
+    assert big.status_code == small.status_code == 503
+    # 30 items need 16 drained before they fit, 15 need 1: the first waits longer.
+    assert int(big.headers["retry-after"]) > int(small.headers["retry-after"]) >= 1

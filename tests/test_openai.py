@@ -188,7 +188,7 @@ def test_a_client_that_leaves_cancels_its_tasks(
     with socket.create_connection(("127.0.0.1", api.port), timeout=10) as sock:
         sock.sendall(head + body)
         # The three inputs travel together: one chunk of three items.
-        wait_for(lambda: r.get("gpulane:items:batch") == b"3", 10, what="the 3 items queued")
+        wait_for(lambda: r.get("gpulane:extra:batch") == b"2", 10, what="the 3 items queued")
     ids = [i.decode() for i in r.lrange("rq:queue:batch", 0, -1)]  # the client has left
     assert len(ids) == 1 and r.hget(f"rq:job:{ids[0]}", "items") == b"3"
     wait_for(
@@ -197,7 +197,7 @@ def test_a_client_that_leaves_cancels_its_tasks(
         what="the tasks of a client that left to be canceled",
     )
     assert r.llen("rq:queue:batch") == 0
-    assert int(r.get("gpulane:items:batch") or 0) == 0
+    assert int(r.get("gpulane:extra:batch") or 0) == 0
 
 
 def test_a_key_without_the_class_is_refused(

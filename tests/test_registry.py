@@ -7,16 +7,25 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from dispatcher.contract.jobs import encode_call
+from worker.batching import BatchRunner
+from worker.broker import Claimed
 from worker.entry import run
-from worker.registry import Batch, Registry, TaskFailure
+from worker.execute import Interrupts, Outcome, Runner
+from worker.registry import Batch, Registry
 
 
 class Args(BaseModel):
     n: int
 
 
-class Ctx:
-    file = None
+def _run(reg: Registry, task_type: str, args: dict[str, Any]) -> Outcome:
+    """One task through the worker's one run path (a batch of one)."""
+    runner = Runner(reg, Interrupts(), lambda *_: None, {}, "w", 1 << 20)
+    claimed = Claimed("t1", "batch", encode_call(task_type, args), 1, 30.0, None, 0, None)
+    (item,) = BatchRunner(runner).run([claimed])
+    assert item.outcome is not None
+    return item.outcome
 
 
 def test_register_and_run() -> None:
@@ -30,25 +39,29 @@ def test_register_and_run() -> None:
     entry = reg.catalog()["math.double"]
     assert entry["description"] == "Twice n." and entry["file"] == "none"
     assert entry["schema"]["properties"]["n"]["type"] == "integer"
-    assert run("math.double", {"n": 21}, ctx=Ctx(), registry=reg) == 42  # type: ignore[arg-type]
+    outcome = _run(reg, "math.double", {"n": 21})
+    assert outcome.status == "finished" and outcome.result_json == "42"
 
 
 def test_invalid_args_and_unknown_type() -> None:
     reg = Registry()
     reg.task("math.double")(lambda args, ctx: args.n)  # no model: takes no arguments
-    with pytest.raises(TaskFailure) as unknown:
-        run("math.triple", {}, ctx=Ctx(), registry=reg)  # type: ignore[arg-type]
-    assert unknown.value.code == "unknown_task_type"
-    with pytest.raises(TaskFailure) as invalid:
-        run("math.double", {"n": 1}, ctx=Ctx(), registry=reg)  # type: ignore[arg-type]
-    assert invalid.value.code == "invalid_args"
+    assert (_run(reg, "math.triple", {}).error or {})["code"] == "unknown_task_type"
+    assert (_run(reg, "math.double", {"n": 1}).error or {})["code"] == "invalid_args"
 
 
 def test_file_required() -> None:
     reg = Registry()
     reg.task("doc.read", file="required")(lambda args, ctx: None)
-    with pytest.raises(TaskFailure, match="needs an uploaded file"):
-        run("doc.read", {}, ctx=Ctx(), registry=reg)  # type: ignore[arg-type]
+    error = _run(reg, "doc.read", {}).error or {}
+    assert error["code"] == "invalid_args" and "needs an uploaded file" in error["message"]
+
+
+def test_the_entry_point_refuses_a_plain_rq_worker() -> None:
+    """RQ's worker would import and call worker.entry.run: a clear failure, not a task
+    run without a gpulane worker's checks."""
+    with pytest.raises(RuntimeError, match="must run in a gpulane worker"):
+        run("math.double", {"n": 1})
 
 
 @pytest.mark.parametrize("name", ["", "Echo", "a..b", "1x", "x" * 65, "shell exec"])

@@ -91,8 +91,11 @@ class BatchRunner:
     """Runs claimed records (a task, or a batch) through :class:`Runner`'s interrupts,
     cancels and result encoding."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, sizes: dict[str, int] | None = None) -> None:
         self.runner = runner
+        # This worker's batch size per type ([types.<name>] overrides included): a
+        # chunk packed for a bigger batch runs in calls of at most this many items.
+        self.sizes = sizes or {}
 
     def run(self, claims: list[Claimed]) -> list[Item]:
         items = [self._prepare(claimed) for claimed in claims]
@@ -178,11 +181,11 @@ class BatchRunner:
         now = time.monotonic()
         left = min(c.claimed.timeout_s - (now - c.started_mono) for c in ctxs)
         args = [a for i in pending for a in i.valid]
-        per_item = [i.ctx for i in pending for _ in i.valid]  # a chunk's share its ctx
+        per_item = [c for i, c in zip(pending, ctxs, strict=True) for _ in i.valid]  # shared
         try:
             with self.runner.interrupts.armed(max(left, 0.001), lead):
                 if spec.batch is not None:
-                    values = spec.handler(args, per_item)
+                    values = self._calls(spec, args, per_item)
                 else:  # one record, one item: the handler takes (args, ctx)
                     values = [spec.handler(args[0], lead)]
         except TaskTimeout:
@@ -204,6 +207,20 @@ class BatchRunner:
             return True
         self._results(pending, values)
         return True
+
+    def _calls(self, spec: TaskSpec, args: list[BaseModel], ctxs: list[RunningTask]) -> Any:
+        """The batched handler over ``args`` in calls of this worker's batch size; its
+        values in order (what a call returned, when that is not a list)."""
+        size = max(self.sizes.get(spec.name, len(args)), 1)
+        if len(args) <= size:
+            return spec.handler(args, ctxs)
+        values: list[Any] = []
+        for at in range(0, len(args), size):
+            got = spec.handler(args[at : at + size], ctxs[at : at + size])
+            if not isinstance(got, list):
+                return got  # not one result per item: _results says so
+            values.extend(got)
+        return values
 
     @staticmethod
     def _timed_out(pending: list[Item]) -> None:

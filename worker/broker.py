@@ -180,7 +180,20 @@ class Broker:
         is parked). ``redeliver`` after a claim whose reply was lost returns what that
         claim took. ``mem_mb``: GPU memory free for a task (None: no limit); tasks that
         need more are left for other workers."""
-        opts = self._claim_options(
+        opts = self.claim_options(was_idle, device_json, redeliver, batch, mem_mb)
+        reply = self._run_acked("claim", opts)
+        return [self._claimed(task) for task in reply or []]
+
+    def claim_options(
+        self,
+        was_idle: bool,
+        device_json: str,
+        redeliver: bool = False,
+        batch: dict[str, int] | None = None,
+        mem_mb: int | None = None,
+    ) -> str:
+        """:meth:`claim`'s script options, for a claim sent with the last report."""
+        return self._claim_options(
             device_json,
             mem_mb,
             was_idle=was_idle,
@@ -188,8 +201,6 @@ class Broker:
             batch=batch or {},
             rank=self._rank,
         )
-        reply = self._run_acked("claim", opts)
-        return [self._claimed(task) for task in reply or []]
 
     def claim_more(
         self, cls: str, task_type: str, n: int, device_json: str, mem_mb: int | None = None
@@ -251,6 +262,31 @@ class Broker:
         if isinstance(reply, RedisError):
             raise reply
         return reply
+
+    def finish_and_claim(
+        self, reports: Sequence[Report], claim_opts: str
+    ) -> tuple[list[Finished | RedisError], list[Claimed] | RedisError]:
+        """:meth:`finish_many`, then the next claim (:meth:`claim_options`) in the same
+        round trip: a busy worker spends one round trip per task, not two. The claim's
+        reply is its own: an error there (or too few replica acks, raised as
+        :class:`ReplicaLag` for the reports) means the claim may have run, to be asked
+        again with ``redeliver``."""
+        calls: list[tuple[str, Sequence[bytes | str]]] = [
+            ("finish", (self._finish_options(r), r.result_json)) for r in reports
+        ]
+        calls.append(("claim", (claim_opts,)))
+        try:
+            replies = self._run_all_acked(calls)
+        except ReplicaLag as exc:
+            finished = [_finished(reply) for reply in exc.replies[:-1]]
+            raise ReplicaLag(str(exc), finished) from None
+        *done, claimed = replies
+        tasks = (
+            claimed
+            if isinstance(claimed, RedisError)
+            else [self._claimed(task) for task in claimed or []]
+        )
+        return [_finished(reply) for reply in done], tasks
 
     def finish_many(self, reports: Sequence[Report]) -> list[Finished | RedisError]:
         """Record several outcomes (a batch's) in one round trip, each atomic on its own:

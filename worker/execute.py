@@ -16,6 +16,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ from worker.registry import (
 )
 
 __all__ = [
+    "MAX_CHUNK_RESULT_BYTES",
     "GpuFault",
     "Interrupts",
     "LeaseLost",
@@ -281,9 +283,9 @@ class Runner:
         (``items`` of them) may be as large as that many tasks' results."""
         try:
             text = result_json(value)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal (deep nesting too) is the result's fault
             return Outcome.fail("invalid_result", f"The result is not JSON: {exc}.")
-        limit = self.max_result_bytes * items
+        limit = min(self.max_result_bytes * items, MAX_CHUNK_RESULT_BYTES)
         if len(text) > limit:
             return Outcome.fail(
                 "result_too_large", f"The result is {len(text)} bytes; the limit is {limit}."
@@ -312,17 +314,33 @@ class Runner:
 
 
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+# A chunk's result may be as large as its items' results, within what one Redis
+# argument carries comfortably (proto-max-bulk-len is 512 MB).
+MAX_CHUNK_RESULT_BYTES = 256 * 1024 * 1024
 
 
 def result_json(value: Any) -> str:
-    """A result as JSON, as ``json.dumps(value, allow_nan=False)`` would refuse or write
-    it, at orjson's speed (a chunk of embeddings is megabytes of floats). orjson writes
-    NaN and infinities as ``null`` and refuses integers past 64 bits, so any ``null``
-    in its output, and anything it refuses, is decided by the json module."""
+    """A result as JSON, at orjson's speed (a chunk of embeddings is megabytes of
+    floats), refusing what ``json.dumps(value, allow_nan=False)`` refuses. orjson writes
+    NaN and infinities as ``null`` and refuses integers past 64 bits, so output with a
+    ``null`` in it, or a value orjson refuses, is written again by the json module,
+    which takes what orjson takes (numpy arrays and scalars, dates, UUIDs) through
+    :func:`_like_orjson` and raises for NaN."""
     try:
         raw = orjson.dumps(value, option=_ORJSON)
     except (TypeError, orjson.JSONEncodeError):
         raw = b"null"
     if b"null" in raw:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+        return json.dumps(value, allow_nan=False, separators=(",", ":"), default=_like_orjson)
     return raw.decode()
+
+
+def _like_orjson(value: Any) -> Any:
+    """What orjson writes for a type the json module does not know."""
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
+        return value.tolist()
+    if hasattr(value, "isoformat"):  # datetime, date, time
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")

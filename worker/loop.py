@@ -54,46 +54,59 @@ class WorkerLoop:
         self.reporter = Reporter(broker, recorder, state, settings, self._backoff)
         self.batches = batch_policies(runner.registry, settings)
         self._batch_sizes = {t: b.max_size for t, b in self.batches.items() if b.max_size > 1}
-        self._batch_runner = BatchRunner(runner)
+        self._batch_runner = BatchRunner(runner, {t: b.max_size for t, b in self.batches.items()})
         self._redeliver = False  # a claim's reply was lost: ask for what it took
         self._device = json.dumps(self.runner.device)  # recorded on each task it starts
         self.gpu = gpu or GpuBudget(None)  # the card's memory, for placement
 
     def run(self) -> None:
         was_idle = True  # a fresh worker may sit in idle sets from an earlier life
+        claims: list[Claimed] | None = None  # taken with the last report, if any
         while not self.state.stopping:
-            try:
-                claims = self.broker.claim(
-                    was_idle,
-                    self._device,
-                    self._redeliver,
-                    self._batch_sizes,
-                    self.gpu.available_mb(),
-                )
-            except REFUSED_FOR_NOW as exc:
-                # Refused whole before it ran (script flags): nothing moved. Wait for
-                # room, saying why in GET /workers; the heartbeat keeps the lease.
-                self.state.set("idle", f"{why_refused(exc)}; takes no task until it can write")
-                self._wait_out(exc)
-                continue
-            except RedisError as exc:
-                if refused(exc):
-                    raise  # a script error, not an outage: retrying would loop forever
-                self._redeliver = True  # the claim may have run and only its reply was lost
-                self._wait_out(exc)
-                continue
-            self._redeliver = False
-            self._backoff.reset()
+            if claims is None:
+                claims = self._claim(was_idle)
+                if claims is None:
+                    continue  # waited out a refusal or an outage
             if not claims:
                 was_idle = True
                 self.state.set("idle")
                 self._park()
+                claims = None
                 continue
             was_idle = False
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
-            self._execute(claims)
+            claims = self._execute(claims)
+        if claims:  # taken with the last report as the worker was told to stop
+            self.reporter.report([Concluded(c, Outcome("release"), None) for c in claims])
         self._unpark()
+
+    def _claim(self, was_idle: bool) -> list[Claimed] | None:
+        """The next claim's tasks (empty: none, the worker is parked), or None after
+        waiting out a refusal or an outage."""
+        try:
+            claims = self.broker.claim(
+                was_idle,
+                self._device,
+                self._redeliver,
+                self._batch_sizes,
+                self.gpu.available_mb(),
+            )
+        except REFUSED_FOR_NOW as exc:
+            # Refused whole before it ran (script flags): nothing moved. Wait for
+            # room, saying why in GET /workers; the heartbeat keeps the lease.
+            self.state.set("idle", f"{why_refused(exc)}; takes no task until it can write")
+            self._wait_out(exc)
+            return None
+        except RedisError as exc:
+            if refused(exc):
+                raise  # a script error, not an outage: retrying would loop forever
+            self._redeliver = True  # the claim may have run and only its reply was lost
+            self._wait_out(exc)
+            return None
+        self._redeliver = False
+        self._backoff.reset()
+        return claims
 
     def _fill(self, claims: list[Claimed], task_type: str) -> list[Claimed]:
         """A short batch waits up to its max_wait_ms for more tasks of its type, and not
@@ -120,8 +133,9 @@ class WorkerLoop:
             time.sleep(max(min(poll_s, deadline - time.monotonic()), 0))
         return claims
 
-    def _execute(self, claims: list[Claimed]) -> None:
-        """Run what one claim took (a task is a batch of one) and report it."""
+    def _execute(self, claims: list[Claimed]) -> list[Claimed] | None:
+        """Run what one claim took (a task is a batch of one) and report it; returns
+        what the claim sent with the report took (None: claim anew)."""
         task_type = claims[0].task_type  # from claim.lua: no decode to route it
         policy = self.batches.get(task_type)
         if policy is not None and _items(claims) < policy.max_size:
@@ -143,7 +157,7 @@ class WorkerLoop:
         for item in items:
             assert item.outcome is not None
             runs.append(Concluded(item.claimed, item.outcome, item.ctx))
-        self._conclude(runs, _items(claims))
+        return self._conclude(runs, _items(claims))
 
     def _unpark(self) -> None:
         try:
@@ -164,13 +178,16 @@ class WorkerLoop:
     def _wait_out(self, exc: RedisError) -> None:
         wait_out(self._backoff, exc, self.broker.name)
 
-    def _conclude(self, runs: list[Concluded], batch_items: int = 1) -> None:
-        """Report the outcomes (a batch's in one round trip), log and count each.
-        ``batch_items``: the items the batch's calls ran (what their time is shared by,
-        for the per-item run time admission estimates with)."""
+    def _conclude(self, runs: list[Concluded], batch_items: int = 1) -> list[Claimed] | None:
+        """Report the outcomes (a batch's in one round trip) with the next claim when
+        the worker goes on serving, log and count each. ``batch_items``: the items the
+        batch's calls ran (what their time is shared by, for the per-item run time
+        admission estimates with). Returns what that claim took (None: claim anew)."""
         for run in runs:
             self._check_lost(run.outcome)  # before the report
-        ended = self.reporter.report(runs)
+        ended = self.reporter.report(runs, self._next_claim())
+        if self.reporter.claim_lost:
+            self._redeliver = True
         for run, ended_ms in zip(runs, ended, strict=True):
             claimed, outcome = run.claimed, run.outcome
             task_type = run.ctx.task_type if run.ctx else "-"
@@ -194,6 +211,18 @@ class WorkerLoop:
             if ended_ms is not None:
                 self._record(claimed, task_type, status, ended_ms, batch_items)
         self._check_memory()
+        return self.reporter.claimed
+
+    def _next_claim(self) -> str | None:
+        """The claim to send with the report (one round trip per task, not two), or
+        None while the worker is about to stop: told to, unhealthy, or past its memory
+        limit (:meth:`_check_memory` recycles it after the report)."""
+        limit = self.settings.max_worker_rss_mb
+        if self.state.stopping or (limit is not None and rss_bytes() // 2**20 > limit):
+            return None
+        return self.broker.claim_options(
+            False, self._device, self._redeliver, self._batch_sizes, self.gpu.available_mb()
+        )
 
     def _check_lost(self, outcome: Outcome) -> None:
         """A GPU fault takes the worker out of service before the report: no task may be

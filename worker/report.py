@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -75,15 +76,26 @@ class Reporter:
         self.state = state
         self.settings = settings
         self.backoff = backoff
+        self.claimed: list[Claimed] | None = None  # what the last report's claim took
+        self.claim_lost = False  # that claim's reply was lost: ask with redeliver
 
-    def report(self, runs: Sequence[Concluded]) -> list[int | None]:
+    def report(self, runs: Sequence[Concluded], claim_opts: str | None = None) -> list[int | None]:
         """Record every run's outcome; per run, the Redis time it ended at, or None when
-        not recorded here (handed back, abandoned, or recorded by someone else)."""
+        not recorded here (handed back, abandoned, or recorded by someone else).
+
+        ``claim_opts``: the worker's next claim, sent in the first report's round trip
+        when every run ended for good; what it took is in :attr:`claimed` (None: no
+        claim went, or its reply was lost and :attr:`claim_lost` says so)."""
+        self.claimed = None
+        self.claim_lost = False
         ended: list[int | None] = [None] * len(runs)
         pending = [k for k, run in enumerate(runs) if run.outcome.status in _FINAL]
+        if len(pending) < len(runs):
+            claim_opts = None  # hand-backs go after the reports, and before any claim
         while pending:
+            once, claim_opts = claim_opts, None  # a claim goes once, sent again never
             try:
-                self._finish(runs, pending, ended)
+                self._finish(runs, pending, ended, once)
             except RedisError as exc:
                 if self._gave_up(exc, [runs[k] for k in pending]):
                     break
@@ -109,7 +121,11 @@ class Reporter:
         return ended
 
     def _finish(
-        self, runs: Sequence[Concluded], pending: list[int], ended: list[int | None]
+        self,
+        runs: Sequence[Concluded],
+        pending: list[int],
+        ended: list[int | None],
+        claim_opts: str | None,
     ) -> None:
         """One round trip for the runs still ``pending``. A recorded run leaves it; one
         Redis refused for good (a script error) is given up alone; the first error to
@@ -118,7 +134,7 @@ class Reporter:
         (the second answer is ``duplicate``)."""
         lag: ReplicaLag | None = None
         try:
-            replies = self.broker.finish_many([_report(runs[k]) for k in pending])
+            replies = self._send([_report(runs[k]) for k in pending], claim_opts)
         except ReplicaLag as exc:
             replies, lag = exc.replies, exc
         retry: RedisError | None = None
@@ -145,6 +161,16 @@ class Reporter:
             raise lag
         if retry is not None:
             raise retry
+
+    def _send(self, reports: list[Report], claim_opts: str | None) -> list[Any]:
+        """The reports' replies, in one round trip with the claim when there is one."""
+        if claim_opts is None:
+            return self.broker.finish_many(reports)
+        self.claim_lost = True  # until its reply is read
+        replies, claimed = self.broker.finish_and_claim(reports, claim_opts)
+        if not isinstance(claimed, RedisError):
+            self.claimed, self.claim_lost = claimed, False
+        return replies
 
     def _give_up(self, run: Concluded, exc: RedisError) -> None:
         """A script error, not an outage: retrying would never end. Leave; the lease

@@ -28,7 +28,7 @@ import redis
 
 from bench import cmdstats
 from bench.harness import Stack
-from bench.report import Report, Table, Target
+from bench.report import Report, Table, Target, figure, save
 from dispatcher.contract import keys
 from testkit import wait_for
 
@@ -195,8 +195,30 @@ def run(size: str, outdir: Path) -> Report:
                f"{data['bulk_batched']['tasks_per_s']:,.0f} (batched)",
                data["bulk_unbatched"]["tasks_per_s"] >= 20_000),
     ]  # fmt: skip
+    report.charts.append(_chart(data, outdir))
     report.write(outdir)
     return report
+
+
+def _chart(data: dict[str, Any], outdir: Path) -> str:
+    fig, (left, right) = figure(9.0, 3.2, ncols=2)
+    left.bar(
+        ["no-op", "384 floats"],
+        [data["batch_noop"]["items_per_s"], data["batch_vector"]["items_per_s"]],
+        color=["tab:blue", "tab:orange"],
+    )
+    left.axhline(20_000, color="grey", linestyle="--", linewidth=1)
+    left.set_ylabel("items/s")
+    left.set_title("One worker drains batched items")
+    right.bar(
+        ["unbatched", "batched"],
+        [data["bulk_unbatched"]["tasks_per_s"], data["bulk_batched"]["tasks_per_s"]],
+        color=["tab:green", "tab:purple"],
+    )
+    right.axhline(20_000, color="grey", linestyle="--", linewidth=1)
+    right.set_ylabel("tasks/s")
+    right.set_title("One bulk POST /tasks of 10,000")
+    return save(fig, outdir, "batched.png")
 
 
 def _bulk_row(d: dict[str, Any]) -> list[Any]:

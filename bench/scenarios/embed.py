@@ -32,7 +32,7 @@ from typing import Any
 import redis
 
 from bench.glside import Submitter, gl_done, records
-from bench.harness import Stack
+from bench.harness import Stack, bench_device
 from bench.report import Report, Table, Target, figure, pct, save
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import encode_call
@@ -74,7 +74,7 @@ def in_process_limit(corpus: list[str]) -> float:
     """Texts/s of ``model.encode`` on batches of :data:`BATCH`, in this process."""
     from worker.tasks import embed
 
-    embed.load_model("cpu")
+    embed.load_model(bench_device())
     model = embed._loaded["model"]
     encode = {"batch_size": BATCH, "normalize_embeddings": True, "show_progress_bar": False}
     model.encode(corpus[:BATCH], **encode)  # warm-up
@@ -235,7 +235,7 @@ def run(size: str, outdir: Path) -> Report:
             p99_ratio <= 2,
         ),
     ]
-    report.notes.append("CPU only (`--gpu none`); not run on a GPU yet.")
+    report.notes.append(f"Device: {bench_device()} (`BENCH_GPU` sets the workers' `--gpu`).")
     report.notes.append(
         "In-process limit before / after the workers ran: "
         + " / ".join(f"{x:.1f}" for x in data["limits"])

@@ -15,14 +15,17 @@ request (422 naming its index) and nothing is enqueued. All tasks go to one clas
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from dispatcher.api.auth import Principal
 from dispatcher.api.catalog import Catalog
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Record, Submission
-from dispatcher.api.submission import submission_of, task_fields
+from dispatcher.api.submission import submission_of, task_fields, too_large
 from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import loads_strict
@@ -54,24 +57,39 @@ def split_item_id(task_id: str) -> tuple[str, int | None]:
     return task_id, None
 
 
+# A chunk's args stay well under what a worker inflates (64 MiB, jobs._MAX_CALL_BYTES).
+MAX_CHUNK_ARGS_BYTES = 16 * 1024 * 1024
+
+
 class Packer:
     """Packs items, in order, into records: consecutive items of one batched type (and
-    one timeout and GPU need) share a chunk of up to ``chunk`` items."""
+    one timeout and GPU need) share a chunk of up to ``chunk`` items, and of at most
+    :data:`MAX_CHUNK_ARGS_BYTES` of args."""
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.ids: list[str] = []
         self._open: list[dict[str, Any]] = []
+        self._bytes = 0
         self._key: tuple[str, float, int, int] | None = None
 
     def add(
-        self, task_type: str, args: dict[str, Any], timeout_s: float, gpu_mb: int, chunk: int
+        self,
+        task_type: str,
+        args: dict[str, Any],
+        timeout_s: float,
+        gpu_mb: int,
+        chunk: int,
+        size: int = 0,
     ) -> None:
+        """Add an item (``size``: its args' JSON length, when the caller knows it)."""
         key = (task_type, timeout_s, gpu_mb, chunk)
-        if key != self._key or len(self._open) >= chunk:
+        full = len(self._open) >= chunk or self._bytes + size > MAX_CHUNK_ARGS_BYTES
+        if key != self._key or full:
             self._close()
             self._key = key
         self._open.append(args)
+        self._bytes += size
         if chunk <= 1:
             self._close()
 
@@ -83,7 +101,7 @@ class Packer:
         if not self._open or self._key is None:
             return
         task_type, timeout_s, gpu_mb, _ = self._key
-        items, self._open = self._open, []
+        items, self._open, self._bytes = self._open, [], 0
         if len(items) == 1:  # a lone item is a task: its id and record as any task's
             record = Record(task_type, encode_call(task_type, items[0]), timeout_s, 1, gpu_mb)
             self.ids.append(record.task_id)
@@ -129,11 +147,15 @@ async def parse_bulk(
 ) -> Bulk:
     """Validate every task of a bulk body and pack them; :class:`ApiError` for the first
     one that is invalid (nothing is enqueued)."""
-    values = _tasks(raw, json_lines, settings.bulk_max_tasks)
+    # Parsing megabytes of JSON off the event loop: other requests go on meanwhile.
+    values = await asyncio.to_thread(_tasks, raw, json_lines, settings.bulk_max_tasks)
     packer = Packer()
     first: Submission | None = None
     for index, value in enumerate(values):
+        size = len(orjson.dumps(value))
         try:
+            if size > settings.max_body_bytes:  # what one POST /tasks may carry
+                raise too_large(settings.max_body_bytes, "task")
             sub = await submission_of(task_fields(value), principal, settings, catalog)
         except ApiError as exc:
             raise _at(index, exc) from None
@@ -144,14 +166,24 @@ async def parse_bulk(
             raise _at(index, ApiError(422, "invalid_request", message))
         info = await catalog.lookup(sub.task_type)
         chunk = info.chunk_size(settings) if info else 1
-        packer.add(sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk)
+        packer.add(sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk, size)
     assert first is not None  # _tasks refuses an empty list
     records, ids = packer.done()
-    cfg = settings.classes[first.cls]
-    if len(ids) > cfg.max_queued:  # no retry could ever fit it: not a 503
+    _fits_ever(len(ids), len(records), first, settings)
+    return Bulk(first, records, ids)
+
+
+def _fits_ever(items: int, records: int, sub: Submission, settings: Settings) -> None:
+    """422 for a request no retry could ever fit (a 503 or 429 would invite one)."""
+    cfg = settings.classes[sub.cls]
+    if items > cfg.max_queued:
         message = (
-            f"The request holds {len(ids)} items; class {first.cls!r} queues at most "
-            f"{cfg.max_queued}."
+            f"The request holds {items} items; class {sub.cls!r} queues at most {cfg.max_queued}."
         )
         raise ApiError(422, "too_many_items", message, max_queued=cfg.max_queued)
-    return Bulk(first, records, ids)
+    if sub.max_in_flight and records > sub.max_in_flight:
+        message = (
+            f"The request is {records} tasks and chunks; this key's max_in_flight is "
+            f"{sub.max_in_flight}."
+        )
+        raise ApiError(422, "too_many_items", message, max_in_flight=sub.max_in_flight)

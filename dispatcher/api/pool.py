@@ -181,8 +181,8 @@ class Pool:
         for (cls, tenant), n in zip(lanes, queued, strict=True):
             tally.tenants[cls].append((tenant, int(n)))
         classes = {
-            cls: self._class_state(cls, listed, items, stats, head_created, now_ms, tally)
-            for cls, (listed, _, stats, _, items), head_created in zip(
+            cls: self._class_state(cls, listed, extra, stats, head_created, now_ms, tally)
+            for cls, (listed, _, stats, _, extra), head_created in zip(
                 names, per_class, heads, strict=True
             )
         }
@@ -192,7 +192,7 @@ class Pool:
 
     async def _read_classes(self, names: list[str]) -> tuple[int, list[str], list[list[Any]]]:
         """Redis time, live worker names, and per class [records listed, head id,
-        [sum, weight], tenants with a fair-share lane, items queued]."""
+        [sum, weight], tenants with a fair-share lane, the chunks' extra items]."""
         pipe = self.client.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(keys.WORKERS, 0, -1, withscores=True)
@@ -201,7 +201,7 @@ class Pool:
             pipe.lindex(keys.queue(cls), 0)
             pipe.hmget(keys.stats(cls), "sum", "weight")
             pipe.zrange(keys.lanes(cls), 0, -1)
-            pipe.get(keys.queued_items(cls))
+            pipe.get(keys.queued_extra(cls))
         replies = await pipe.execute()
         now_ms = replies[0][0] * 1000 + replies[0][1] // 1000
         live = [m.decode() for m, deadline in replies[1] if deadline > now_ms]
@@ -211,16 +211,16 @@ class Pool:
         self,
         cls: str,
         listed: int,
-        items: Any,
+        extra: Any,
         stats: list[Any],
         head_created: Any,
         now_ms: int,
         tally: _Tally,
     ) -> ClassState:
         total, weight = (float(v) if v else 0.0 for v in stats)
-        # Items, as admission counts them; an empty list holds none (submit.lua resets
-        # a counter a lost record left behind).
-        depth = max(int(items or listed), 0) if int(listed) else 0
+        # Items, as admission counts them: the records plus the chunks' extra items (an
+        # empty list holds none; submit.lua resets what a lost record left behind).
+        depth = int(listed) + max(int(extra or 0), 0) if int(listed) else 0
         oldest = (now_ms - int(head_created)) / 1000 if head_created else None
         return ClassState(
             name=cls,

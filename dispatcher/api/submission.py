@@ -33,10 +33,12 @@ __all__ = [
     "check_value",
     "content_type",
     "gpu_memory",
+    "json_body",
     "limited_body",
     "parse_submission",
     "submission_of",
     "task_fields",
+    "too_large",
 ]
 
 _FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
@@ -47,7 +49,7 @@ _MAX_FILENAME = 255
 _WHOLE = re.compile(r"[0-9]{1,12}")
 
 
-def _too_large(limit: int, what: str) -> ApiError:
+def too_large(limit: int, what: str) -> ApiError:
     return ApiError(
         413,
         "payload_too_large",
@@ -62,7 +64,7 @@ def _limited(request: Request, limit: int, what: str) -> Request:
     if declared is not None:
         try:
             if int(declared) > limit:
-                raise _too_large(limit, what)
+                raise too_large(limit, what)
         except ValueError as exc:
             raise ApiError(400, "invalid_request", "Content-Length is not a number.") from exc
     seen = 0
@@ -73,10 +75,29 @@ def _limited(request: Request, limit: int, what: str) -> Request:
         message = await upstream()
         seen += len(message.get("body", b""))
         if seen > limit:
-            raise _too_large(limit, what)
+            raise too_large(limit, what)
         return message
 
     return Request(request.scope, receive)
+
+
+async def json_body(request: Request, settings: Settings, json_lines: bool) -> bytes:
+    """A JSON (or JSON Lines) body under its limit: ``bulk_max_body_bytes`` for a bulk
+    (JSON Lines, or an array: known from its first character), else ``max_body_bytes``,
+    refused with 413 as soon as the stream passes it."""
+    single, bulk = settings.max_body_bytes, settings.bulk_max_body_bytes
+    limit = bulk
+    decided = json_lines
+    chunks: list[bytes] = []
+    seen = 0
+    async for chunk in _limited(request, bulk, "request body").stream():
+        chunks.append(chunk)
+        seen += len(chunk)
+        if not decided and (head := b"".join(chunks).lstrip()[:1]):
+            decided, limit = True, bulk if head == b"[" else single
+        if seen > limit:
+            raise too_large(limit, "request body")
+    return b"".join(chunks)
 
 
 async def limited_body(request: Request, limit: int) -> bytes:
@@ -113,7 +134,7 @@ def check_value(value: Any, where: str = "body", depth: int = 0) -> None:
 def json_fields(body: bytes, settings: Settings) -> dict[str, Any]:
     """A single task's JSON body (already read), checked."""
     if len(body) > settings.max_body_bytes:
-        raise _too_large(settings.max_body_bytes, "request body")
+        raise too_large(settings.max_body_bytes, "request body")
     try:
         fields = loads_strict(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
@@ -273,11 +294,11 @@ async def _upload(upload: UploadFile | None, limit: int) -> tuple[FileMeta | Non
     if upload is None:
         return None, b""
     if upload.size is not None and upload.size > limit:
-        raise _too_large(limit, "file")
+        raise too_large(limit, "file")
     data = await upload.read()
     await upload.close()  # our parser's spooled file (request.form() would close it)
     if len(data) > limit:
-        raise _too_large(limit, "file")
+        raise too_large(limit, "file")
     if not data:
         raise _invalid("The file is empty.")
     name = (upload.filename or "upload")[:_MAX_FILENAME]

@@ -53,11 +53,13 @@ gpulane's keys::
     gpulane:bytes:<class>            STRING upload bytes held by the class's unfinished
                                             tasks, for max_queued_bytes: INCRBY in
                                             submit.lua, DECRBY when a task ends
-    gpulane:items:<class>            STRING items queued in the class (a task counts 1,
-                                            a chunk its ``items``), for max_queued and the
-                                            wait estimate: INCRBY when a record joins the
-                                            class list, DECRBY when it leaves; reset to 0
-                                            by a submit that finds the list empty
+    gpulane:extra:<class>            STRING items queued in the class beyond one per
+                                            record (a chunk of n adds n - 1), so that
+                                            LLEN rq:queue:<class> + this = items queued,
+                                            what max_queued and the wait estimate count;
+                                            INCRBY / DECRBY as a chunk joins / leaves the
+                                            class list; deleted by a submit that finds the
+                                            list empty
     gpulane:lane:<class>:<tenant>    LIST   fair share: the tenant's queued ids in the
                                             class, oldest first (each id is also in
                                             rq:queue:<class>, which keeps arrival order)
@@ -66,7 +68,9 @@ gpulane's keys::
                                             smallest is served next
     gpulane:fair:<class>             HASH   fair share: v (the class's virtual clock),
                                             t:<tenant> (an idle tenant's next tag),
-                                            w:<tenant> (its weight, written by submits)
+                                            w:<tenant> (its weight, written by submits),
+                                            x:<tenant> (its lane's items beyond one per
+                                            record, as gpulane:extra:<class>)
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING "<task id> <request fingerprint>" owning an
                                             Idempotency-Key
@@ -120,7 +124,7 @@ __all__ = [
     "parked",
     "queue",
     "queued_bytes",
-    "queued_items",
+    "queued_extra",
     "rate",
     "rq_execution",
     "rq_worker",
@@ -164,7 +168,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "control": (_P + "control:", ("name",), ""),
     "stats": (_P + "stats:", ("cls",), ""),
     "queued_bytes": (_P + "bytes:", ("cls",), ""),
-    "queued_items": (_P + "items:", ("cls",), ""),
+    "queued_extra": (_P + "extra:", ("cls",), ""),
     "idem": (_P + "idem:", ("tenant", "digest"), ""),
     "tenant_tasks": (_P + "tenant:", ("tenant",), ":tasks"),
     "rate": (_P + "rate:", ("tenant",), ""),
@@ -246,8 +250,8 @@ def queued_bytes(cls: str) -> str:
     return _build("queued_bytes", cls)
 
 
-def queued_items(cls: str) -> str:
-    return _build("queued_items", cls)
+def queued_extra(cls: str) -> str:
+    return _build("queued_extra", cls)
 
 
 def idem(tenant: str, digest: str) -> str:

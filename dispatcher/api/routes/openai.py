@@ -253,7 +253,7 @@ async def _submit_all(
     result = await svc.store.submit_records(sub, records, state)
     if result.verdict != "accepted":
         svc.recorder.count("rejected", cls, result.verdict)
-        raise refusal(result, state, sub)
+        raise refusal(result, state, sub, len(texts))
     svc.recorder.count("submitted", cls, task_type, n=len(texts))
     return [r.task_id for r in records]
 

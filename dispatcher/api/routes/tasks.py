@@ -23,7 +23,7 @@ from dispatcher.api.deps import Services, add_headers, caller, extra_headers, se
 from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
 from dispatcher.api.store import Record, Submission, SubmitResult
-from dispatcher.api.submission import content_type, limited_body, parse_submission
+from dispatcher.api.submission import content_type, json_body, parse_submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, chunk_item
 
@@ -146,8 +146,9 @@ def _class_headers(state: ClassState) -> dict[str, str]:
     return _backpressure(state.depth, state.estimated_wait_s, state.pressure)
 
 
-def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiError:
-    """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings)."""
+def refusal(result: SubmitResult, state: ClassState, sub: Submission, items: int = 1) -> ApiError:
+    """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings);
+    ``items``: the request's (Retry-After waits for room for all of them)."""
     if result.verdict == "over_quota":
         retry = max(math.ceil(state.run_s), 1)  # about when one of its tasks ends
         return ApiError(
@@ -166,7 +167,8 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiErro
     if result.limit == "wait" and result.estimated_wait_s is not None:
         retry = admission.retry_after_wait_s(result.estimated_wait_s, state.config)
     else:
-        retry = admission.retry_after_s(result.depth, state.run_s, workers, state.config)
+        depth = result.depth + items - 1  # as deep as the queue its last item joins
+        retry = admission.retry_after_s(depth, state.run_s, workers, state.config)
     headers = {
         **_backpressure(result.depth, result.estimated_wait_s, "full"),
         "Retry-After": str(retry),
@@ -229,7 +231,7 @@ async def submit_task(request: Request) -> JSONResponse:
     kind = content_type(request)
     raw = None
     if kind in JSON_LINES or kind == "application/json":
-        raw = await limited_body(request, svc.settings.bulk_max_body_bytes)
+        raw = await json_body(request, svc.settings, kind in JSON_LINES)
         if kind in JSON_LINES or raw.lstrip()[:1] == b"[":
             return await _submit_bulk(request, svc, principal, raw, kind in JSON_LINES)
     sub = await parse_submission(request, principal, svc.settings, svc.catalog, raw)
@@ -282,7 +284,7 @@ async def _submit_bulk(
     result, state = await _submit(svc, sub, snap, bulk.records)
     if result.verdict != "accepted":
         svc.recorder.count("rejected", sub.cls, result.verdict)
-        raise refusal(result, state, sub)
+        raise refusal(result, state, sub, bulk.items)
     headers = _accepted_headers(request, svc, result, state, bulk.items)
     est = result.estimated_wait_s
     answer = {

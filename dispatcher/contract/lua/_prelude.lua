@@ -105,11 +105,28 @@ local function fair_state(cls, t)
   return tonumber(f[1]) or 0, tonumber(f[2]) or 0, turn(f[3])
 end
 
--- Items queued in a class (max_queued and the wait estimate count items: a chunk is
--- its `items`, a task 1). Every record joining the class list adds its items, every
--- one leaving subtracts them (enqueue, unlist, dequeued).
-local function dequeued(cls, items)
-  redis.call('DECRBY', K.queued_items(cls), tonumber(items) or 1)
+-- Items queued (max_queued and the wait estimate count items: a task is one, a chunk
+-- its `items`) are a list's length plus its records' extra items, `items - 1` each:
+-- gpulane:extra:<class> for the class list, field x:<tenant> of gpulane:fair:<class>
+-- for a lane. Only chunks move the counts, so tasks cost no command and cannot make
+-- them drift. A record joining a list adds its extra, one leaving (really removed)
+-- takes it away.
+local function extra(items)
+  return (tonumber(items) or 1) - 1
+end
+
+local function class_extra(cls, n)
+  if n ~= 0 then redis.call('INCRBY', K.queued_extra(cls), n) end
+end
+
+local function lane_extra(cls, lane, n)
+  if n ~= 0 and lane and lane ~= '' then redis.call('HINCRBY', K.fair(cls), 'x:' .. lane, n) end
+end
+
+-- Items queued in a list of `len` records whose extra count is `x` (a lost key or a
+-- record gone stale cannot make it less than the records themselves).
+local function items_in(len, x)
+  return len + math.max(tonumber(x) or 0, 0)
 end
 
 -- Queue task `id` (`items` of them: a chunk; nil: 1) of class `cls` at the tail (or
@@ -117,10 +134,13 @@ end
 local function enqueue(cls, id, lane, at_head, items)
   local push = at_head and 'LPUSH' or 'RPUSH'
   redis.call(push, K.queue(cls), id)
-  redis.call('INCRBY', K.queued_items(cls), tonumber(items) or 1)
-  if lane and lane ~= '' and redis.call(push, K.lane(cls, lane), id) == 1 then
-    local v, tag = fair_state(cls, lane)
-    redis.call('ZADD', K.lanes(cls), num(math.max(v, tag)), lane)
+  class_extra(cls, extra(items))
+  if lane and lane ~= '' then
+    lane_extra(cls, lane, extra(items))
+    if redis.call(push, K.lane(cls, lane), id) == 1 then
+      local v, tag = fair_state(cls, lane)
+      redis.call('ZADD', K.lanes(cls), num(math.max(v, tag)), lane)
+    end
   end
 end
 
@@ -129,6 +149,7 @@ end
 local function lane_idle(cls, t, next_tag)
   redis.call('ZREM', K.lanes(cls), t)
   redis.call('HSET', K.fair(cls), 't:' .. t, num(next_tag))
+  redis.call('HDEL', K.fair(cls), 'x:' .. t) -- an empty lane holds no items
 end
 
 -- Charge tenant t (start tag `tag`) for the task just taken from its lane: one turn
@@ -152,21 +173,25 @@ end
 -- backlog. `known`: the list's head {id, created_ms} when the caller has just read it.
 local function unlist(cls, id, created_ms, now, items, known)
   local qk = K.queue(cls)
-  dequeued(cls, items)
   local head = known and known[1] or redis.call('LINDEX', qk, 0)
-  if head == id then redis.call('LPOP', qk); return end
+  if head == id then
+    redis.call('LPOP', qk)
+    class_extra(cls, -extra(items))
+    return
+  end
   local oldest = known and tonumber(known[2])
     or head and tonumber(redis.call('HGET', K.job(head), 'created_ms'))
   local age = now - (tonumber(created_ms) or now)
   local from_tail = oldest and age * 2 < now - oldest
-  redis.call('LREM', qk, from_tail and -1 or 1, id)
+  if redis.call('LREM', qk, from_tail and -1 or 1, id) > 0 then class_extra(cls, -extra(items)) end
 end
 
--- Remove a queued task from its lane (a cancel, a late result): an emptied lane goes idle.
-local function unlane(cls, id, lane)
+-- Remove a queued task (`items` of them) from its lane (a cancel, a late result): an
+-- emptied lane goes idle.
+local function unlane(cls, id, lane, items)
   if not lane or lane == '' then return end
   local lk = K.lane(cls, lane)
-  redis.call('LREM', lk, 1, id)
+  if redis.call('LREM', lk, 1, id) > 0 then lane_extra(cls, lane, -extra(items)) end
   if redis.call('LLEN', lk) == 0 then
     local tag = redis.call('ZSCORE', K.lanes(cls), lane)
     if tag then lane_idle(cls, lane, tonumber(tag)) end
@@ -183,12 +208,12 @@ local function bytes_before(a, b)
   return #a < #b
 end
 
--- Tasks a task at index k of tenant t's lane has ahead of it in fair order: k of its
--- own, and from every other active lane u the tasks whose start tags come before its
--- own (tag_t + k x cost_t; on a tie, u's when u sorts first), at most that lane's
--- length. An estimate: later arrivals of idle tenants and tasks given back move it,
--- and only the AHEAD_LANES lanes with the smallest tags are counted (a read bounded
--- however many tenants there are).
+-- Items that work with k items of tenant t's lane before it has ahead of it in fair
+-- order: those k, and from every other active lane u the items whose start tags come
+-- before its own (tag_t + k x cost_t: a turn is one item; on a tie, u's when u sorts
+-- first), at most the items u has queued. An estimate: later arrivals of idle tenants
+-- and tasks given back move it, and only the AHEAD_LANES lanes with the smallest tags
+-- are counted (a read bounded however many tenants there are).
 local AHEAD_LANES = 64
 local function fair_ahead(cls, t, k)
   local v, saved, cost = fair_state(cls, t)
@@ -202,16 +227,17 @@ local function fair_ahead(cls, t, k)
     if active[i] ~= t then
       others[#others + 1] = {active[i], tonumber(active[i + 1])}
       fields[#fields + 1] = 'w:' .. active[i]
+      fields[#fields + 1] = 'x:' .. active[i]
     end
   end
   local ahead = k
   if #others == 0 then return ahead end
-  local weights = redis.call('HMGET', K.fair(cls), unpack(fields))
+  local wx = redis.call('HMGET', K.fair(cls), unpack(fields))
   for i, u in ipairs(others) do
-    local cu, d = turn(weights[i]), at - u[2]
+    local cu, d = turn(wx[2 * i - 1]), at - u[2]
     local n = math.floor(d / cu) + 1 -- u's tags u[2] + j x cu up to `at`
     if d % cu == 0 and not bytes_before(u[1], t) then n = n - 1 end -- a tie t wins
-    ahead = ahead + math.min(n, redis.call('LLEN', K.lane(cls, u[1])))
+    ahead = ahead + math.min(n, items_in(redis.call('LLEN', K.lane(cls, u[1])), wx[2 * i]))
   end
   return ahead
 end

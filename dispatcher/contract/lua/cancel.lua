@@ -13,7 +13,7 @@ if FINAL[f[1]] then return {'conflict', f[1]} end
 if f[1] == 'queued' then
   local now = now_ms()
   unlist(f[3], o.id, f[9], now, f[10])
-  unlane(f[3], o.id, f[8])
+  unlane(f[3], o.id, f[8], f[10])
   finalize(o.id, 'canceled', now, o.ttl_s, {'error', cjson.encode({code = 'canceled',
     message = 'Canceled before it started.'})}, quota_of(f[2], f[5]), f[3], f[7])
   return {'canceled', f[3] or '-', f[6] or '-'}

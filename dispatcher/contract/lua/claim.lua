@@ -135,18 +135,20 @@ local function take(p, now)
   local ik = K.inflight(w, c)
   if t then
     local key = K.lane(c, t)
-    if index == 0 then redis.call('LPOP', key) else redis.call('LREM', key, 1, id) end
+    if index == 0 or redis.call('LREM', key, 1, id) > 0 then
+      if index == 0 then redis.call('LPOP', key) end
+      lane_extra(c, t, -extra(f[10]))
+    end
   end
   if not moved then
     if t then
       unlist(c, id, f[5], now, f[10], p[8])
-    else
-      redis.call('LREM', K.queue(c), 1, id)
-      dequeued(c, f[10])
+    elseif redis.call('LREM', K.queue(c), 1, id) > 0 then
+      class_extra(c, -extra(f[10]))
     end
     redis.call('RPUSH', ik, id)
   else
-    dequeued(c, f[10])
+    class_extra(c, -extra(f[10]))
   end
   if t then charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t)), f[10]) end
 end

@@ -22,7 +22,7 @@ if FINAL[f[1]] then return {'duplicate', f[1]} end
 local now = now_ms()
 if removed == 0 then -- handed back, queued again: it leaves the queue and its lane
   unlist(o.class, o.id, f[9], now, f[10])
-  unlane(o.class, o.id, f[8])
+  unlane(o.class, o.id, f[8], f[10])
 end
 local extra = {}
 if ARGV[2] ~= '' then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end

@@ -37,22 +37,23 @@ if o.idem ~= '' then
   end
 end
 
-local qk = K.queue(o.class)
-local listed = redis.call('LLEN', qk)
-local depth = 0
+local listed = redis.call('LLEN', K.queue(o.class))
+local depth = 0 -- items queued in the class
 if listed > 0 then
-  depth = tonumber(redis.call('GET', K.queued_items(o.class))) or listed
+  depth = items_in(listed, redis.call('GET', K.queued_extra(o.class)))
 else -- an empty list holds no items: whatever drift a lost record left ends here
-  redis.call('DEL', K.queued_items(o.class))
+  redis.call('DEL', K.queued_extra(o.class))
 end
 local items = 0
 for _, r in ipairs(records) do items = items + r.items end
 
 local ahead = depth
 if o.lane ~= '' then
-  redis.call('HSET', K.fair(o.class), 'w:' .. o.lane, o.weight)
-  local before = fair_ahead(o.class, o.lane, redis.call('LLEN', K.lane(o.class, o.lane)))
-  ahead = listed > 0 and math.floor(before * depth / listed + 0.5) or 0 -- records -> items
+  local fk = K.fair(o.class)
+  redis.call('HSET', fk, 'w:' .. o.lane, o.weight)
+  local mine = items_in(redis.call('LLEN', K.lane(o.class, o.lane)),
+    redis.call('HGET', fk, 'x:' .. o.lane))
+  ahead = fair_ahead(o.class, o.lane, mine)
 end
 -- The items ahead drain at the whole class's pace (big cards take small tasks too);
 -- the request's own items at the pace of the `workers` that can hold them. run_s is the

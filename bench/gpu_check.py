@@ -1,0 +1,129 @@
+"""``make gpu-check`` (``python -m bench.gpu_check``): the checks only a GPU machine can
+make, in one run of at most 8 minutes, written to ``bench/results/gpu.md``.
+
+1. Discovery: NVML's cards as ``gpulane worker`` sees them (``worker.gpu.devices``).
+2. The embed benches on ``cuda``: ``bench embed`` and ``bench embed_api`` at ``--quick``
+   with ``BENCH_GPU=auto`` (the workers claim a card; the in-process ``model.encode``
+   they are compared with runs on the same card).
+3. A SIGKILL during CUDA work: one ``/v1/embeddings`` call of 2,048 inputs, the worker
+   killed while a chunk runs on the card, a second worker started: the call still
+   answers 200 with every vector, and the killed chunk ran twice.
+
+Prerequisites on the GPU machine: the project's dependencies, the ``models`` extra
+(torch with CUDA, sentence-transformers, the MiniLM weights) and ``redis-server`` on
+PATH. ``GPU_CHECK_ALLOW_CPU=1`` runs it without a GPU (a dry run of the script itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.harness import REPO, Stack
+from bench.report import RESULTS, machine
+from dispatcher.contract import keys
+from testkit import wait_for
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+EMBED = "worker.tasks.builtin,worker.tasks.embed"
+API = {"task_modules": json.dumps(["worker.tasks.builtin", "worker.tasks.embed"])}
+BENCH_S = 150  # each bench's budget: the whole check stays under 8 minutes
+
+
+def discovery() -> list[dict[str, Any]]:
+    from worker.gpu.devices import discover
+
+    return [
+        {
+            "index": d.index,
+            "name": d.name,
+            "uuid": d.uuid,
+            "memory_bytes": d.memory_total_bytes,
+        }
+        for d in discover()
+    ]
+
+
+def bench(scenario: str, gpu: str, out: Path) -> str:
+    env = {**os.environ, "BENCH_GPU": gpu}
+    argv = [sys.executable, "-m", "bench", scenario, "--quick", "--out", str(out)]
+    try:
+        done = subprocess.run(
+            argv, cwd=REPO, env=env, timeout=BENCH_S, capture_output=True, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return f"{scenario}: did not finish within {BENCH_S} s"
+    if done.returncode != 0:
+        return f"{scenario}: failed ({done.returncode}): {done.stderr.decode()[-400:]}"
+    path = out / f"{scenario}.md"
+    return path.read_text() if path.exists() else f"{scenario}: wrote no results"
+
+
+def kill_during_cuda() -> dict[str, Any]:
+    with Stack() as stack:
+        _, url = stack.gpulane_api(["interactive", "batch"], **API)
+        client = stack.client()
+        first = stack.gpulane_worker("gpu-a", tasks=EMBED)
+        wait_for(lambda: client.hget(keys.worker("gpu-a"), "state") == b"idle", 180, "model")
+        texts = [f"text {i} about queues and GPUs" for i in range(2048)]
+        answer: dict[str, Any] = {}
+
+        def call() -> None:
+            with httpx.Client(timeout=300) as http:
+                r = http.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": texts})
+                answer.update(status=r.status_code, body=r.json())
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        started = wait_for(lambda: _started_chunk(client), 120, "a chunk running on the card")
+        first.process.kill()
+        killed = time.monotonic()
+        stack.gpulane_worker("gpu-b", tasks=EMBED)
+        caller.join(300)
+        data = answer.get("body", {}).get("data", [])
+        return {
+            "status": answer.get("status"),
+            "vectors": len(data),
+            "dims": sorted({len(d["embedding"]) for d in data}) if data else [],
+            "killed_chunk_attempts": int(client.hget(keys.job(started), "attempts") or 0),
+            "kill_to_answer_s": round(time.monotonic() - killed, 2),
+        }
+
+
+def _started_chunk(client: Any) -> str | None:
+    for key in client.scan_iter("rq:job:*"):
+        if client.hget(key, "status") == b"started":
+            return str(key.decode().removeprefix("rq:job:"))
+    return None
+
+
+def main() -> int:
+    devices = discovery()
+    allow_cpu = os.environ.get("GPU_CHECK_ALLOW_CPU") == "1"
+    if not devices and not allow_cpu:
+        print("gpu-check: NVML finds no GPU here", file=sys.stderr)
+        return 1
+    gpu = "auto" if devices else "none"
+    os.environ["BENCH_GPU"] = gpu  # this process's workers, and the benches it runs
+    out = Path(os.environ.get("GPU_CHECK_OUT", RESULTS))
+    parts = ["# gpu-check", "", f"Machine: {json.dumps(machine())}", ""]
+    parts += ["## Discovery (NVML)", "", "```", json.dumps(devices, indent=1), "```", ""]
+    parts += ["## SIGKILL during CUDA work", "", "```", json.dumps(kill_during_cuda()), "```"]
+    for scenario in ("embed", "embed_api"):
+        parts += ["", f"## bench {scenario} on `--gpu {gpu}`", "", bench(scenario, gpu, out)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.md").write_text("\n".join(parts) + "\n")
+    print(f"gpu-check: wrote {out / 'gpu.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
