@@ -101,6 +101,29 @@ def test_a_batch_is_reported_in_one_round_trip(
     assert r.llen(keys.inflight(NAME, "batch")) == 0
 
 
+def test_the_next_claim_rides_with_the_report(
+    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[int]
+) -> None:
+    """A busy worker spends one round trip per task: the report and the next claim go
+    in one packet, and the claim's tasks come back with the reports' answers."""
+    reporter.report(_runs(_batch(r, settings, broker, 1)))  # finish.lua loaded
+    first = _batch(r, settings, broker, 2)
+    scripts = SyncScripts(r)
+    queued = [submit(scripts, task_type=TYPE, settings=settings) for _ in range(3)]
+    round_trips.clear()
+    opts = broker.claim_options(False, "{}", batch={TYPE: 4})
+    ended = reporter.report(_runs(first), opts)
+    assert len(round_trips) == 1  # two finish.lua and the claim in one packet
+    assert all(ms is not None for ms in ended)
+    assert reporter.claimed is not None and not reporter.claim_lost
+    assert [c.task_id for c in reporter.claimed] == queued
+    assert [_status(r, c) for c in reporter.claimed] == ["started"] * 3
+    # A run handed back (not final) goes before any claim: no claim rides then.
+    handback = [Concluded(reporter.claimed[0], Outcome("release"), None)]
+    reporter.report(handback, broker.claim_options(False, "{}"))
+    assert reporter.claimed is None and _status(r, handback[0].claimed) == "queued"
+
+
 def test_a_full_redis_holds_the_reports_until_it_has_room(
     r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, state: WorkerState
 ) -> None:
