@@ -212,3 +212,10 @@ def test_retry_after_waits_for_room_for_the_whole_request(
     assert big.status_code == small.status_code == 503
     # 30 items need 16 drained before they fit, 15 need 1: the first waits longer.
     assert int(big.headers["retry-after"]) > int(small.headers["retry-after"]) >= 1
+
+
+def test_a_bulk_takes_what_a_single_submit_takes(known_types: None, http: httpx.Client) -> None:
+    """Integers past 64 bits and non-ASCII text round-trip as in a single POST /tasks."""
+    args = {"n": 10**40, "s": "日本語 ☃ 𝄞"}
+    ids = _bulk(http, [{"type": "echo", "args": args}] * 2)["ids"]
+    assert http.get(f"/tasks/{ids[1]}").json()["status"] == "queued"

