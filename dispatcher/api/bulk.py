@@ -149,26 +149,36 @@ async def parse_bulk(
     values = await asyncio.to_thread(_tasks, raw, json_lines, settings.bulk_max_tasks)
     packer = Packer()
     first: Submission | None = None
+    # Each distinct task is checked once: a bulk often repeats one (same type, args).
+    checked: dict[bytes, tuple[Submission, int]] = {}
     for index, value in enumerate(values):
-        size = len(json_bytes(value))
+        text = json_bytes(value)
         try:
-            if size > settings.max_body_bytes:  # what one POST /tasks may carry
+            if len(text) > settings.max_body_bytes:  # what one POST /tasks may carry
                 raise too_large(settings.max_body_bytes, "task")
-            sub = await submission_of(task_fields(value), principal, settings, catalog)
+            sub, chunk = checked.get(text) or await _checked(value, principal, settings, catalog)
         except ApiError as exc:
             raise _at(index, exc) from None
+        checked[text] = (sub, chunk)
         if first is None:
             first = sub
         elif sub.cls != first.cls:
             message = f"class {sub.cls!r}: a bulk submit goes to one class ({first.cls!r})."
             raise _at(index, ApiError(422, "invalid_request", message))
-        info = await catalog.lookup(sub.task_type)
-        chunk = info.chunk_size(settings) if info else 1
-        packer.add(sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk, size)
+        packer.add(sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk, len(text))
     assert first is not None  # _tasks refuses an empty list
     records, ids = packer.done()
     _fits_ever(len(ids), len(records), first, settings)
     return Bulk(first, records, ids)
+
+
+async def _checked(
+    value: Any, principal: Principal, settings: Settings, catalog: Catalog
+) -> tuple[Submission, int]:
+    """A task checked as a single submit's body is, and its type's chunk size."""
+    sub = await submission_of(task_fields(value), principal, settings, catalog)
+    info = await catalog.lookup(sub.task_type)
+    return sub, info.chunk_size(settings) if info else 1
 
 
 def _fits_ever(items: int, records: int, sub: Submission, settings: Settings) -> None:
