@@ -38,14 +38,16 @@ if o.idem ~= '' then
 end
 
 local listed = redis.call('LLEN', K.queue(o.class))
+local items = 0
+for _, r in ipairs(records) do items = items + r.items end
 local depth = 0 -- items queued in the class
 if listed > 0 then
   depth = items_in(listed, redis.call('GET', K.queued_extra(o.class)))
-else -- an empty list holds no items: whatever drift a lost record left ends here
+elseif items > #records then
+  -- An empty list holds no extra items: whatever a lost chunk left ends before this
+  -- request's chunks count (a request of tasks alone pays no command for it).
   redis.call('DEL', K.queued_extra(o.class))
 end
-local items = 0
-for _, r in ipairs(records) do items = items + r.items end
 
 local ahead = depth
 if o.lane ~= '' then
