@@ -16,12 +16,22 @@ the systems so both see the same machine load.
   finish, park again; windows hit by a periodic heartbeat are discarded), plus one
   lifecycle recorded with ``MONITOR`` to split client round trips from Lua-internal
   commands and list them.
+- Celery beside RQ in the throughput table (when ``scripts/bench-peers-venv.sh`` has
+  made ``.venv-peers``; else its cells say so): a third identical ``redis-server`` as
+  broker and result backend, the queue filled with N ``bench.celery.stamp`` no-ops
+  first, then 1 (or 4) ``celery worker --pool solo -c 1 --prefetch-multiplier 1``
+  (``task_acks_late=True``) started on it. The rate is RQ's, between handler starts:
+  from the moment every worker has begun its first task (workers boot one by one on a
+  full queue) to the first worker's last start; on 1 worker, first to last start.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +40,7 @@ import httpx
 import redis
 from rq import Queue
 
-from bench import cmdstats
+from bench import celery_tasks, cmdstats, peers
 from bench.glside import (
     RQ_FUNC,
     Submitter,
@@ -220,6 +230,68 @@ def saturation(sys_: Systems, n: int) -> dict[str, dict[str, Any]]:
     return {"gpulane": gl, "rq": rq}
 
 
+# -- Celery (from the peers venv) ----------------------------------------------------
+def _celery_fill(stack: Stack, n: int) -> list[str]:
+    """N Celery no-ops enqueued by ``python -m bench.celery_tasks fill`` in the peers venv."""
+    env = {**stack.env(), **peers.OFFLINE, "BENCH_CELERY_URL": stack.url}
+    argv = [str(peers.PYTHON), "-m", "bench.celery_tasks", "fill", str(n)]
+    out = subprocess.run(argv, env=env, cwd=peers.REPO, capture_output=True, text=True, check=True)
+    ids: list[str] = json.loads(out.stdout)
+    return ids
+
+
+def _celery_stamps(client: redis.Redis, ids: list[str]) -> list[dict[str, Any]] | None:
+    """Every task's result (``{"t", "w"}``) once all are stored, else None."""
+    records = []
+    for raw in client.mget(celery_tasks.results_keys(ids)):
+        if raw is None:
+            return None
+        records.append(json.loads(raw))
+    failed = [r for r in records if r["status"] != "SUCCESS"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} Celery no-ops failed: {failed[0]!r}")
+    return [r["result"] for r in records]
+
+
+def celery_saturation(stack: Stack, n: int, workers: int) -> dict[str, Any]:
+    """A queue of ``n`` no-ops, then ``workers`` solo workers started on it; tasks/s
+    over the span every worker was running (see the module docstring)."""
+    client = stack.client()
+    ids = _celery_fill(stack, n)
+    env = {**stack.env(), **peers.OFFLINE, "BENCH_CELERY_URL": stack.url}
+    env["PATH"] = peers.peer_env()["PATH"]
+    procs = [
+        stack.spawn(f"celery{i}", celery_tasks.worker_argv(peers.VENV, f"celery{i}"), env)
+        for i in range(workers)
+    ]
+
+    def running() -> bool:
+        for proc in procs:
+            if not proc.alive():
+                raise RuntimeError(f"celery worker {proc.name} exited:\n{proc.tail()}")
+        return True
+
+    def drained() -> bool:
+        return running() and not client.llen(celery_tasks.QUEUE)
+
+    wait_for(drained, 60 + n / 50, "the Celery queue to drain", interval_s=0.05)
+    stamps = wait_for(
+        lambda: running() and _celery_stamps(client, ids), 30, "Celery's results", interval_s=0.05
+    )
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop()
+    by_worker: dict[int, list[float]] = {}
+    for r in stamps:
+        by_worker.setdefault(r["w"], []).append(r["t"])
+    begin = max(min(ts) for ts in by_worker.values())
+    end = min(max(ts) for ts in by_worker.values())
+    inside = [r["t"] for r in stamps if begin <= r["t"] <= end]
+    rate = (len(inside) - 1) / (end - begin) if end > begin else float("nan")
+    return {"n": n, "rate": rate, "workers_seen": len(by_worker), "window_tasks": len(inside)}
+
+
 def background_rate(client: redis.Redis, seconds: float) -> float:
     cmdstats.reset(client)
     time.sleep(seconds)
@@ -243,7 +315,9 @@ def _start(gl: Stack, rq: Stack) -> Systems:
 
 
 def measure(size: Size) -> dict[str, Any]:
-    with Stack() as gl, Stack() as rq:
+    with ExitStack() as stacks:
+        gl, rq = stacks.enter_context(Stack()), stacks.enter_context(Stack())
+        celery = stacks.enter_context(Stack()) if peers.installed() else None
         sys_ = _start(gl, rq)
         # Warm both paths (script loading, imports on first call) before measuring.
         for _ in range(3):
@@ -257,6 +331,8 @@ def measure(size: Size) -> dict[str, Any]:
             "rq": background_rate(sys_.rq_client, size.background_s),
         }
         data["sat1"] = saturation(sys_, size.tasks_1)
+        if celery is not None:
+            data["sat1"]["celery"] = celery_saturation(celery, size.tasks_1, 1)
         more = [
             (gl.gpulane_worker(f"gw{i}", wait=False), rq.rq_worker(f"rq{i}", RQ_QUEUE, wait=False))
             for i in range(1, 4)
@@ -265,6 +341,8 @@ def measure(size: Size) -> dict[str, Any]:
             gl.wait_registered(gw)
             rq.wait_rq(rw)
         data["sat4"] = saturation(sys_, size.tasks_4)
+        if celery is not None:
+            data["sat4"]["celery"] = celery_saturation(celery, size.tasks_4, 4)
         sys_.http.close()
         return data
 
@@ -314,14 +392,32 @@ def _throughput_section(report: Report, data: dict[str, Any]) -> None:
     rows = []
     for workers, key in ((1, "sat1"), (4, "sat4")):
         gl, rq = data[key]["gpulane"], data[key]["rq"]
-        rows.append([workers, gl["rate"], rq["rate"], gl["rate"] / rq["rate"], gl["n"]])
+        cel = data[key].get("celery")
+        celery_cells = (
+            [cel["rate"], gl["rate"] / cel["rate"]] if cel else [peers.NOT_INSTALLED, "n/a"]
+        )
+        rows.append(
+            [workers, gl["rate"], rq["rate"], gl["rate"] / rq["rate"], *celery_cells, gl["n"]]
+        )
+    columns = ["workers", "gpulane /s", "plain RQ /s", "gpulane / RQ", "Celery /s"]
     report.tables.append(
         Table(
             "No-op tasks per second, saturated queue",
-            ["workers", "gpulane /s", "plain RQ /s", "gpulane / RQ", "tasks per run"],
+            [*columns, "gpulane / Celery", "tasks per run"],
             rows,
             "Rate between the first and the last handler start. gpulane runs with leases, "
-            "heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease).",
+            "heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease). Celery "
+            "(peers venv: solo pool, prefetch 1, acks late, Redis broker and results): the "
+            "queue filled first, the workers started on it; the same rate, between starts, "
+            "over the span all its workers were running"
+            + (
+                f" (workers that took tasks: {data['sat1']['celery']['workers_seen']} and "
+                f"{data['sat4']['celery']['workers_seen']}; tasks in that span: "
+                f"{data['sat1']['celery']['window_tasks']} and "
+                f"{data['sat4']['celery']['window_tasks']})."
+                if "celery" in data["sat4"]
+                else "."
+            ),
         )
     )
     gl, rq = data["sat1"]["gpulane"]["rate"], data["sat1"]["rq"]["rate"]
@@ -443,8 +539,13 @@ def _chart(data: dict[str, Any], outdir: Path) -> str:
     gl = [data[k]["gpulane"]["rate"] for k in ("sat1", "sat4")]
     rq = [data[k]["rq"]["rate"] for k in ("sat1", "sat4")]
     xs = range(len(labels))
-    right.bar([x - 0.2 for x in xs], gl, width=0.4, label="gpulane")
-    right.bar([x + 0.2 for x in xs], rq, width=0.4, label="plain RQ")
+    bars = [("gpulane", gl), ("plain RQ", rq)]
+    if all("celery" in data[k] for k in ("sat1", "sat4")):
+        bars.append(("Celery", [data[k]["celery"]["rate"] for k in ("sat1", "sat4")]))
+    width = 0.8 / len(bars)
+    for i, (label, values) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        right.bar([x + offset for x in xs], values, width=width, label=label)
     right.set_xticks(list(xs), labels)
     right.set_ylabel("no-op tasks / s")
     right.set_title("Throughput, saturated")
