@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -53,16 +54,22 @@ def discovery() -> list[dict[str, Any]]:
 
 
 def bench(scenario: str, gpu: str, out: Path) -> str:
-    env = {**os.environ, "BENCH_GPU": gpu}
+    # gpulane against in-process on the card; the CPU peers are not the question here.
+    env = {**os.environ, "BENCH_GPU": gpu, "BENCH_PEERS": "0"}
     argv = [sys.executable, "-m", "bench", scenario, "--quick", "--out", str(out)]
+    # Its own session: a bench past its budget is stopped with all it started.
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
     try:
-        done = subprocess.run(
-            argv, cwd=REPO, env=env, timeout=BENCH_S, capture_output=True, check=False
-        )
+        _, err = proc.communicate(timeout=BENCH_S)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         return f"{scenario}: did not finish within {BENCH_S} s"
-    if done.returncode != 0:
-        return f"{scenario}: failed ({done.returncode}): {done.stderr.decode()[-400:]}"
+    if proc.returncode != 0:
+        return f"{scenario}: failed ({proc.returncode}): {err.decode()[-400:]}"
     path = out / f"{scenario}.md"
     return path.read_text() if path.exists() else f"{scenario}: wrote no results"
 

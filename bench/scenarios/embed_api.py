@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,16 +78,21 @@ def gpulane() -> Iterator[Served]:
         yield Served("gpulane", f"{url}/v1", MODEL)
 
 
+def _peers(size: Size) -> bool:
+    """Whether the peers run: installed, not at smoke size, not BENCH_PEERS=0."""
+    return size.peers and os.environ.get("BENCH_PEERS") != "0" and peers.installed()
+
+
 def _systems(size: Size) -> list[Any]:
     systems: list[Any] = [gpulane]
-    if size.peers and peers.installed():
+    if _peers(size):
         systems += [peers.infinity, peers.ray_serve]
     return systems
 
 
 def measure(size: Size) -> dict[str, Any]:
     load = embed_load.SIZES[size.load]
-    data: dict[str, Any] = {"peers": size.peers and peers.installed(), "corpora": {}}
+    data: dict[str, Any] = {"peers": _peers(size), "corpora": {}}
     for corpus in size.corpora:
         texts = embed_load.corpus(max(load.one_call, load.encode_texts, 512), corpus)
         rows: dict[str, dict[str, Row]] = {}
@@ -145,7 +151,10 @@ def run(size: str, outdir: Path) -> Report:
             embed_load.table(f"in-process model.encode, {corpus} texts", {}, got["limit"])
         )
     if not data["peers"]:
-        report.notes.append("Peers not installed: run scripts/bench-peers-venv.sh first.")
+        report.notes.append(
+            "Peers not run (smoke size, BENCH_PEERS=0, or not installed: "
+            "scripts/bench-peers-venv.sh)."
+        )
     report.notes.append(f"Device: {bench_device()}; one replica each, one system at a time.")
     report.charts.append(_chart(data, outdir))
     report.write(outdir)
