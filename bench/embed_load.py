@@ -202,20 +202,12 @@ async def at_half_load(
     return Row(label, len(latencies), len(latencies), wall, latencies)
 
 
-def in_process(texts: list[str], batch: int = BATCH) -> float:
-    """Inputs/s of ``model.encode`` on batches of ``batch`` in this process (the model
-    ``worker.tasks.embed`` loads on the CPU, from the project venv)."""
-    from worker.tasks import embed
+def in_process(texts: list[str]) -> float:
+    """Inputs/s of ``model.encode`` on batches of 64 in this process, on the bench's
+    device: the embed scenario's limit, measured the same way."""
+    from bench.scenarios.embed import in_process_limit
 
-    if "model" not in embed._loaded:
-        embed.load_model("cpu")
-    model = embed._loaded["model"]
-    encode = {"batch_size": batch, "normalize_embeddings": True, "show_progress_bar": False}
-    model.encode(texts[:batch], **encode)  # warm-up
-    started = time.perf_counter()
-    for i in range(0, len(texts), batch):
-        model.encode(texts[i : i + batch], **encode)
-    return len(texts) / (time.perf_counter() - started)
+    return in_process_limit(texts)
 
 
 async def rows(

@@ -12,6 +12,7 @@ import pytest
 import redis
 from conftest import WorkerFactory, make_settings, wait_status
 from support.catalog import tenant
+from support.observe import scrape
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import ClassConfig, Settings
@@ -163,6 +164,12 @@ def test_an_item_of_a_chunk_is_canceled_with_its_chunk(
     assert _queued(r) == (0, 0)
     assert http.get(f"/tasks/{chunk}.3").status_code == 404  # past its items
 
+    def canceled() -> float | None:  # the chunk's three items, not one record
+        labels = {"class": "batch", "type": ECHO, "status": "canceled"}
+        return scrape(http).value("gpulane_tasks_finished_total", **labels)
+
+    assert wait_for(lambda: canceled() == 3, 10, what="3 items canceled in the metrics")
+
 
 def test_a_worker_killed_mid_chunk_loses_no_item(
     known_types: None, http: httpx.Client, r: redis.Redis, start_worker: WorkerFactory
@@ -177,6 +184,12 @@ def test_a_worker_killed_mid_chunk_loses_no_item(
     assert [rec["result"] for rec in records] == [{"value": i} for i in range(4)]
     assert {rec["worker"] for rec in records} == {"heir"}
     assert all(rec["attempts"] == 2 for rec in records)  # the chunk's lease, per item
+
+    def requeued() -> float | None:  # the reaper counts the chunk's items, not 1
+        labels = {"class": "batch", "reason": "worker_lost"}
+        return scrape(http).value("gpulane_tasks_requeued_total", **labels)
+
+    assert wait_for(lambda: requeued() == 4, 10, what="4 items requeued in the metrics")
 
 
 def test_bulk_size_limits_are_a_single_tasks_per_task(

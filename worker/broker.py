@@ -271,22 +271,9 @@ class Broker:
         reply is its own: an error there (or too few replica acks, raised as
         :class:`ReplicaLag` for the reports) means the claim may have run, to be asked
         again with ``redeliver``."""
-        calls: list[tuple[str, Sequence[bytes | str]]] = [
-            ("finish", (self._finish_options(r), r.result_json)) for r in reports
-        ]
-        calls.append(("claim", (claim_opts,)))
-        try:
-            replies = self._run_all_acked(calls)
-        except ReplicaLag as exc:
-            finished = [_finished(reply) for reply in exc.replies[:-1]]
-            raise ReplicaLag(str(exc), finished) from None
-        *done, claimed = replies
-        tasks = (
-            claimed
-            if isinstance(claimed, RedisError)
-            else [self._claimed(task) for task in claimed or []]
-        )
-        return [_finished(reply) for reply in done], tasks
+        finished, claimed = self._finish(reports, claim_opts)
+        assert claimed is not None  # a claim went
+        return finished, claimed
 
     def finish_many(self, reports: Sequence[Report]) -> list[Finished | RedisError]:
         """Record several outcomes (a batch's) in one round trip, each atomic on its own:
@@ -294,11 +281,29 @@ class Broker:
         one WAIT covers them all, and too few acks raise :class:`ReplicaLag` with the
         replies, for the whole set (sent again whole: finish.lua answers 'duplicate' to
         an outcome it already holds)."""
-        calls = [("finish", (self._finish_options(r), r.result_json)) for r in reports]
+        return self._finish(reports, None)[0]
+
+    def _finish(
+        self, reports: Sequence[Report], claim_opts: str | None
+    ) -> tuple[list[Finished | RedisError], list[Claimed] | RedisError | None]:
+        """The reports' answers and, with ``claim_opts``, the claim's (None without)."""
+        calls: list[tuple[str, Sequence[bytes | str]]] = [
+            ("finish", (self._finish_options(r), r.result_json)) for r in reports
+        ]
+        if claim_opts is not None:
+            calls.append(("claim", (claim_opts,)))
+        n = len(reports)
         try:
-            return [_finished(reply) for reply in self._run_all_acked(calls)]
+            replies = self._run_all_acked(calls)
         except ReplicaLag as exc:
-            raise ReplicaLag(str(exc), [_finished(reply) for reply in exc.replies]) from None
+            raise ReplicaLag(str(exc), [_finished(r) for r in exc.replies[:n]]) from None
+        finished = [_finished(reply) for reply in replies[:n]]
+        if claim_opts is None:
+            return finished, None
+        claimed = replies[n]
+        if isinstance(claimed, RedisError):
+            return finished, claimed
+        return finished, [self._claimed(task) for task in claimed or []]
 
     def _finish_options(self, report: Report) -> str:
         task = report.claimed

@@ -32,6 +32,9 @@ def hand_back(
     if verdict != "released":
         reason = "gpu_fault" if fault is not None else "worker_lost"
         record_reaped(
-            [Reaped(claimed.task_id, claimed.cls, task_type, verdict)], recorder, why, reason
+            [Reaped(claimed.task_id, claimed.cls, task_type, verdict, claimed.items)],
+            recorder,
+            why,
+            reason,
         )
     return verdict

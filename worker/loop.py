@@ -185,7 +185,8 @@ class WorkerLoop:
         admission estimates with). Returns what that claim took (None: claim anew)."""
         for run in runs:
             self._check_lost(run.outcome)  # before the report
-        ended = self.reporter.report(runs, self._next_claim())
+        over_memory = self._over_memory()  # read once: nothing runs before the report
+        ended = self.reporter.report(runs, None if over_memory else self._next_claim())
         if self.reporter.claim_lost:
             self._redeliver = True
         for run, ended_ms in zip(runs, ended, strict=True):
@@ -210,15 +211,15 @@ class WorkerLoop:
             )
             if ended_ms is not None:
                 self._record(claimed, task_type, status, ended_ms, batch_items)
-        self._check_memory()
+        if over_memory:  # after the report: the outcomes are recorded first
+            log.warning("%s after a task; exiting to be restarted", over_memory, extra=self._who)
+            self.state.recycle(over_memory)
         return self.reporter.claimed
 
     def _next_claim(self) -> str | None:
         """The claim to send with the report (one round trip per task, not two), or
-        None while the worker is about to stop: told to, unhealthy, or past its memory
-        limit (:meth:`_check_memory` recycles it after the report)."""
-        limit = self.settings.max_worker_rss_mb
-        if self.state.stopping or (limit is not None and rss_bytes() // 2**20 > limit):
+        None while the worker is about to stop (told to, or unhealthy)."""
+        if self.state.stopping:
             return None
         return self.broker.claim_options(
             False, self._device, self._redeliver, self._batch_sizes, self.gpu.available_mb()
@@ -238,17 +239,16 @@ class WorkerLoop:
                 extra={"worker": self.broker.name},
             )
 
-    def _check_memory(self) -> None:
-        """Past max_worker_rss_mb after a task (already reported): exit to be restarted,
-        giving back whatever the task left allocated."""
+    def _over_memory(self) -> str | None:
+        """Why the worker must exit to be restarted after this task (past
+        max_worker_rss_mb: it gives back whatever the task left allocated), or None."""
         limit = self.settings.max_worker_rss_mb
         if limit is None:
-            return
+            return None
         rss_mb = rss_bytes() // (1024 * 1024)
-        if rss_mb > limit:
-            why = f"resident memory {rss_mb} MB is above max_worker_rss_mb {limit} MB"
-            log.warning("%s after a task; exiting to be restarted", why, extra=self._who)
-            self.state.recycle(why)
+        if rss_mb <= limit:
+            return None
+        return f"resident memory {rss_mb} MB is above max_worker_rss_mb {limit} MB"
 
     @property
     def _who(self) -> dict[str, str]:

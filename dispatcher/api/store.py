@@ -96,6 +96,7 @@ class CancelResult:
     status: str | None = None  # for a conflict: the status it already had
     cls: str = ""  # for canceled: what the metrics count it under
     task_type: str = ""
+    items: int = 1  # for canceled: a chunk's items (the metrics count items)
 
 
 def fingerprint(sub: Submission) -> str:
@@ -247,6 +248,6 @@ class TaskStore:
         reply = [_text(x) for x in await self.scripts.run("cancel", opts)]
         verdict: CancelVerdict = script_verdict(reply[0], CancelVerdict)
         if verdict == "canceled":
-            return CancelResult("canceled", cls=reply[1], task_type=reply[2])
+            return CancelResult("canceled", cls=reply[1], task_type=reply[2], items=int(reply[3]))
         status = PUBLIC_STATUS.get(reply[1], reply[1]) if len(reply) > 1 else None
         return CancelResult(verdict, status)

@@ -28,6 +28,7 @@ class Reaped:
     cls: str
     task_type: str
     outcome: str  # requeued | failed | canceled | gone
+    items: int = 1  # a chunk's items: what the metrics count
 
 
 def lease_options(settings: Settings) -> dict[str, Any]:
@@ -51,8 +52,8 @@ def parse_reaped(lines: list[Any]) -> list[Reaped]:
     out = []
     for line in lines:
         text = line.decode() if isinstance(line, bytes) else str(line)
-        task_id, cls, task_type, outcome = text.rsplit("|", 3)
-        out.append(Reaped(task_id, cls, task_type, outcome))
+        task_id, cls, task_type, outcome, items = text.rsplit("|", 4)
+        out.append(Reaped(task_id, cls, task_type, outcome, int(items)))
     return out
 
 
@@ -66,9 +67,9 @@ def record_reaped(
     """
     for item in reaped:
         if item.outcome == "requeued":
-            recorder.count("requeued", item.cls, reason)
+            recorder.count("requeued", item.cls, reason, n=item.items)
         elif item.outcome in ("failed", "canceled"):
-            recorder.count("finished", item.cls, item.task_type, item.outcome)
+            recorder.count("finished", item.cls, item.task_type, item.outcome, n=item.items)
         log.warning(
             "%s: %s",
             why,

@@ -265,7 +265,7 @@ async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
     )
     for result in results:
         if not isinstance(result, BaseException) and result.verdict == "canceled":
-            svc.recorder.count("finished", result.cls, result.task_type, "canceled")
+            svc.recorder.count("finished", result.cls, result.task_type, "canceled", n=result.items)
 
 
 def _item_error(record: dict[str, Any], index: int) -> ApiError:

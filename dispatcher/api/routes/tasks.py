@@ -393,7 +393,7 @@ async def cancel_task(task_id: str, request: Request) -> JSONResponse:
         message = f"Task {task_id!r} already ended ({result.status})."
         raise ApiError(409, "conflict", message, status=result.status)
     if result.verdict == "canceled":  # no worker will report it
-        svc.recorder.count("finished", result.cls, result.task_type, "canceled")
+        svc.recorder.count("finished", result.cls, result.task_type, "canceled", n=result.items)
     record = await svc.store.get(task_id, principal.task_scope)
     status = 200 if result.verdict == "canceled" else 202
     return JSONResponse(record, status_code=status, headers=extra_headers(request))

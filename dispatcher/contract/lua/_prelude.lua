@@ -305,13 +305,14 @@ end
 -- fault that may be the task's doing: requeue the task at the head of its queue with
 -- one more lost attempt, or fail it once its attempts are spent, so a task that breaks
 -- every GPU it touches still ends. Returns 'requeued', 'failed', 'canceled' or 'gone',
--- and the task's type (for the caller's metrics).
+-- the task's type and its items (for the caller's metrics, which count items).
 local function lose(id, cls, w, now, o, fault)
   local jk = K.job(id)
   local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel', 'tenant',
-    'quota', 'type', 'bytes')
+    'quota', 'type', 'bytes', 'items')
   local task_type = f[8] or '-'
-  if not f[1] or FINAL[f[1]] then return 'gone', task_type end
+  local items = tonumber(f[10]) or 1
+  if not f[1] or FINAL[f[1]] then return 'gone', task_type, items end
   local quota = quota_of(f[6], f[7])
   local lost = (tonumber(f[2]) or 0) + 1
   local history = f[4] and cjson.decode(f[4]) or {}
@@ -323,7 +324,7 @@ local function lose(id, cls, w, now, o, fault)
     finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
       cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})},
       quota, cls, f[9])
-    return 'canceled', task_type
+    return 'canceled', task_type, items
   end
   if lost >= o.max_attempts then
     local error = {code = 'worker_lost', attempts = history,
@@ -335,10 +336,10 @@ local function lose(id, cls, w, now, o, fault)
     end
     finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
       cjson.encode(error)}, quota, cls, f[9])
-    return 'failed', task_type
+    return 'failed', task_type, items
   end
   requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)
-  return 'requeued', task_type
+  return 'requeued', task_type, items
 end
 
 -- RQ's execution hash of a `<job id>:<execution id>` member of a worker's executions.
@@ -389,7 +390,7 @@ local function rq_publish(w, now, ttl_ms, rq)
   end
 end
 
--- Forget worker `w` and give back what it held. Returns {"id|class|type|outcome", ...}.
+-- Forget worker `w` and give back what it held. Returns {"id|class|type|outcome|items", ...}.
 local function reap_worker(w, now, o)
   local out = {}
   for _, c in ipairs(o.classes) do
@@ -397,8 +398,8 @@ local function reap_worker(w, now, o)
     local held = redis.call('LRANGE', ik, 0, -1)
     for i = #held, 1, -1 do -- last first: a batch goes back to the head in its order
       local id = held[i]
-      local outcome, task_type = lose(id, c, w, now, o)
-      out[#out + 1] = id .. '|' .. c .. '|' .. task_type .. '|' .. outcome
+      local outcome, task_type, items = lose(id, c, w, now, o)
+      out[#out + 1] = id .. '|' .. c .. '|' .. task_type .. '|' .. outcome .. '|' .. items
     end
     redis.call('DEL', ik)
     redis.call('ZREM', K.parked(c), w)

@@ -2,7 +2,7 @@
 -- worker holding it is told through its control list (it acts within a heartbeat).
 -- ARGV[1]: {id, tenant, any_tenant (true: admins, who may cancel any tenant's task), ttl_s}.
 -- The tenant must match exactly unless any_tenant is true; '' is never a wildcard.
--- Returns {'canceled', class, type} | {'cancel_requested'} | {'conflict', status}
+-- Returns {'canceled', class, type, items} | {'cancel_requested'} | {'conflict', status}
 --       | {'not_found'}.
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
@@ -16,7 +16,7 @@ if f[1] == 'queued' then
   unlane(f[3], o.id, f[8], f[10])
   finalize(o.id, 'canceled', now, o.ttl_s, {'error', cjson.encode({code = 'canceled',
     message = 'Canceled before it started.'})}, quota_of(f[2], f[5]), f[3], f[7])
-  return {'canceled', f[3] or '-', f[6] or '-'}
+  return {'canceled', f[3] or '-', f[6] or '-', tonumber(f[10]) or 1}
 end
 redis.call('HSET', jk, 'cancel', '1')
 notify(o.id) -- cancel_requested turned true

@@ -1,7 +1,7 @@
 -- Hand back the tasks of workers whose lease expired. Any process may call this every
 -- heartbeat; the lock makes one pass per period run, pool-wide.
 -- ARGV[1]: {lock_ms, ttl_ms, ttl_s, max_attempts, classes, limit}
--- Returns {"id|class|type|outcome", ...} for the tasks it touched.
+-- Returns {"id|class|type|outcome|items", ...} for the tasks it touched.
 local o = cjson.decode(ARGV[1])
 if not redis.call('SET', K.REAPER_LOCK, '1', 'NX', 'PX', o.lock_ms) then return {} end
 local now = now_ms()

@@ -7,7 +7,7 @@
 -- lease does not count as another worker's.
 -- ARGV[1]: {worker, ttl_ms, ttl_s, max_attempts, classes (all configured),
 --           info {field: string}, catalog {type: json}, rq (see rq_publish)}
--- Returns {'ok', {"id|class|type|outcome", ...}} | {'name_in_use'}.
+-- Returns {'ok', {"id|class|type|outcome|items", ...}} | {'name_in_use'}.
 local o = cjson.decode(ARGV[1])
 local now = now_ms()
 local deadline = redis.call('ZSCORE', K.WORKERS, o.worker)
