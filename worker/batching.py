@@ -44,7 +44,6 @@ from worker.registry import (
     Batch,
     Registry,
     TaskCanceled,
-    TaskFailure,
     TaskSpec,
     TaskTimeout,
     UploadedFile,
@@ -256,16 +255,7 @@ class BatchRunner:
             elif item.chunk:
                 item.outcome = self.runner.encode_chunk(item.args, mine, item.errors)
             else:
-                item.outcome = _one(mine[0], self.runner)
-
-
-def _one(value: Any, runner: Runner) -> Outcome:
-    """A task's outcome from its handler's value for it."""
-    if isinstance(value, TaskFailure):
-        return Outcome.fail(value.code, value.message)
-    if isinstance(value, BaseException):
-        return Outcome.fail("task_error", f"{type(value).__name__}: {value}")
-    return runner.encode(value)
+                item.outcome = self.runner.encode_one(mine[0])
 
 
 def _invalid(task_type: str, exc: ValidationError) -> str:

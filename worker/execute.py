@@ -48,6 +48,7 @@ __all__ = [
     "RunningTask",
     "TaskHandback",
     "canceled",
+    "item_failure",
     "result_json",
 ]
 
@@ -302,15 +303,29 @@ class Runner:
         it = iter(values)
         for index, arg in enumerate(args):
             value = None if arg is None else next(it)
-            if isinstance(value, TaskFailure):
-                errors[str(index)] = {"code": value.code, "message": value.message}
-                value = None
-            elif isinstance(value, BaseException):
-                message = f"{type(value).__name__}: {value}"
-                errors[str(index)] = {"code": "task_error", "message": message}
+            failure = item_failure(value)
+            if failure is not None:
+                errors[str(index)] = failure
                 value = None
             results.append(value)
         return self.encode({"results": results, "errors": errors}, len(args))
+
+    def encode_one(self, value: Any) -> Outcome:
+        """A task's outcome from the value a batched handler gave for it."""
+        failure = item_failure(value)
+        if failure is not None:
+            return Outcome.fail(failure["code"], failure["message"])
+        return self.encode(value)
+
+
+def item_failure(value: Any) -> dict[str, str] | None:
+    """The error of an item a batched handler failed alone (it returned a
+    ``TaskFailure`` or an exception in the item's place), else None."""
+    if isinstance(value, TaskFailure):
+        return {"code": value.code, "message": value.message}
+    if isinstance(value, BaseException):
+        return {"code": "task_error", "message": f"{type(value).__name__}: {value}"}
+    return None
 
 
 _ORJSON = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS

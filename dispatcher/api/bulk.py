@@ -28,7 +28,7 @@ from dispatcher.contract.jobs import encode_call, json_bytes
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import loads_strict
 
-__all__ = ["JSON_LINES", "Bulk", "Packer", "parse_bulk", "split_item_id"]
+__all__ = ["JSON_LINES", "Bulk", "Packer", "fits_ever", "parse_bulk", "split_item_id"]
 
 JSON_LINES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonlines"})
 
@@ -168,7 +168,7 @@ async def parse_bulk(
         packer.add(sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk, len(text))
     assert first is not None  # _tasks refuses an empty list
     records, ids = packer.done()
-    _fits_ever(len(ids), len(records), first, settings)
+    fits_ever(len(ids), len(records), first, settings)
     return Bulk(first, records, ids)
 
 
@@ -181,7 +181,7 @@ async def _checked(
     return sub, info.chunk_size(settings) if info else 1
 
 
-def _fits_ever(items: int, records: int, sub: Submission, settings: Settings) -> None:
+def fits_ever(items: int, records: int, sub: Submission, settings: Settings) -> None:
     """422 for a request no retry could ever fit (a 503 or 429 would invite one)."""
     cfg = settings.classes[sub.cls]
     if items > cfg.max_queued:

@@ -31,6 +31,7 @@ __all__ = [
     "SubmitResult",
     "TaskStore",
     "fingerprint",
+    "record_of",
     "submit_options",
 ]
 
@@ -75,6 +76,12 @@ class Record:
             "timeout": self.timeout_s,
             "gpu_mb": self.gpu_memory_mb,
         }
+
+
+def record_of(sub: Submission) -> Record:
+    """A single submit's one record: its task, the call encoded."""
+    data = encode_call(sub.task_type, sub.args, sub.file)
+    return Record(sub.task_type, data, sub.timeout_s, 1, sub.gpu_memory_mb)
 
 
 @dataclass(frozen=True)
@@ -174,9 +181,7 @@ class TaskStore:
         )
 
     async def submit(self, sub: Submission, state: ClassState) -> SubmitResult:
-        data = encode_call(sub.task_type, sub.args, sub.file)
-        record = Record(sub.task_type, data, sub.timeout_s, 1, sub.gpu_memory_mb)
-        return await self.submit_records(sub, [record], state)
+        return await self.submit_records(sub, [record_of(sub)], state)
 
     async def submit_records(
         self, sub: Submission, records: list[Record], state: ClassState

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from dispatcher.api.auth import Principal
-from dispatcher.api.bulk import Packer
+from dispatcher.api.bulk import Packer, fits_ever
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.routes.tasks import refusal
@@ -222,9 +222,6 @@ async def _submit_all(
     state = (await svc.pool.cached()).classes[cls]
     if state.workers == 0:  # the cached snapshot may predate a worker that just came up
         state = (await svc.pool.snapshot()).classes[cls]
-    room = state.config.max_queued
-    if len(texts) > room:  # no retry could fit it: a 503 would only invite one
-        raise _invalid(f"'input' has {len(texts)} items; class {cls!r} queues at most {room}.")
     timeout_s = svc.settings.class_timeout_s(cls)
     info = await svc.catalog.lookup(task_type)
     # A type declaring more GPU memory than any card has is a 422, as for POST /tasks.
@@ -235,11 +232,6 @@ async def _submit_all(
         packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
     records, _ = packer.done()
     quota = principal.config.max_in_flight if principal.config else 0
-    if quota and len(records) > quota:  # no retry could ever fit it
-        raise _invalid(
-            f"'input' has {len(texts)} items in {len(records)} chunks; this key's "
-            f"max_in_flight is {quota}."
-        )
     sub = Submission(
         task_type,
         cls,
@@ -250,6 +242,10 @@ async def _submit_all(
         weight=principal.config.weight if principal.config else None,
         gpu_memory_mb=gpu_mb,
     )
+    try:
+        fits_ever(len(texts), len(records), sub, svc.settings)
+    except ApiError as exc:  # no retry could fit it: OpenAI's 400 on `input`
+        raise _invalid(f"'input': {exc.message}", "input") from None
     result = await svc.store.submit_records(sub, records, state)
     if result.verdict != "accepted":
         svc.recorder.count("rejected", cls, result.verdict)

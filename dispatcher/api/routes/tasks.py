@@ -22,7 +22,7 @@ from dispatcher.api.bulk import JSON_LINES, parse_bulk, split_item_id
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
-from dispatcher.api.store import Record, Submission, SubmitResult
+from dispatcher.api.store import Record, Submission, SubmitResult, record_of
 from dispatcher.api.submission import content_type, json_body, parse_submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, chunk_item
@@ -195,22 +195,16 @@ def refusal(result: SubmitResult, state: ClassState, sub: Submission, items: int
 
 
 async def _submit(
-    svc: Services, sub: Submission, snap: Snapshot, records: list[Record] | None = None
+    svc: Services, sub: Submission, snap: Snapshot, records: list[Record]
 ) -> tuple[SubmitResult, ClassState]:
-    """Admit ``sub`` (or ``records`` for its tenant in its class)."""
+    """Admit ``records`` (one task's, or a bulk's) for ``sub``'s tenant in its class."""
     state = snap.classes[sub.cls]
-
-    async def once(state: ClassState) -> SubmitResult:
-        if records is None:
-            return await svc.store.submit(sub, state)
-        return await svc.store.submit_records(sub, records, state)
-
-    result = await once(state)
+    result = await svc.store.submit_records(sub, records, state)
     if result.verdict == "no_workers":
         # The cached snapshot may predate a worker that just registered (or one with a
         # bigger card): look again before refusing. Refusals only pay it.
         state = (await svc.pool.snapshot()).classes[sub.cls]
-        result = await once(state)
+        result = await svc.store.submit_records(sub, records, state)
     return result, state
 
 
@@ -236,7 +230,7 @@ async def submit_task(request: Request) -> JSONResponse:
             return await _submit_bulk(request, svc, principal, raw, kind in JSON_LINES)
     sub = await parse_submission(request, principal, svc.settings, svc.catalog, raw)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
-    result, state = await _submit(svc, sub, snap)
+    result, state = await _submit(svc, sub, snap, [record_of(sub)])
     if result.verdict == "idempotency_key_reused":
         raise ApiError(
             422,

@@ -135,10 +135,8 @@ local function take(p, now)
   local ik = K.inflight(w, c)
   if t then
     local key = K.lane(c, t)
-    if index == 0 or redis.call('LREM', key, 1, id) > 0 then
-      if index == 0 then redis.call('LPOP', key) end
-      lane_extra(c, t, -extra(f[10]))
-    end
+    local removed = index == 0 and redis.call('LPOP', key) or redis.call('LREM', key, 1, id) > 0
+    if removed then lane_extra(c, t, -extra(f[10])) end
   end
   if not moved then
     if t then
