@@ -228,7 +228,7 @@ def test_a_result_from_a_worker_presumed_dead_takes_the_task_out_of_its_lane(
     assert claim(s, "w") == [task_id]
     r.zadd(keys.WORKERS, {"w": 0})  # its lease ran out
     (line,) = s.run("reap", reap_options(SETTINGS))
-    assert line.decode().endswith("|requeued")
+    assert line.decode().endswith("|requeued|1")  # outcome, then the items it held
     assert r.lrange(keys.lane("batch", "a"), 0, -1) == [task_id.encode(), other.encode()]
     assert finish(s, "w", task_id, {}) == b"ok"
     assert r.lrange(keys.lane("batch", "a"), 0, -1) == [other.encode()]

@@ -359,12 +359,15 @@ def test_reaped_tasks_count_by_outcome() -> None:
             Reaped("b", "batch", "sleep", "failed"),
             Reaped("c", "interactive", "echo", "canceled"),
             Reaped("d", "batch", "-", "gone"),
+            Reaped("e", "batch", "embed", "requeued", items=64),  # a chunk counts its items
+            Reaped("f", "batch", "embed", "failed", items=3),
         ],
         recorder,
         "test",
     )
     assert recorder.drain().counters == {
-        "c|requeued|batch|worker_lost": 1,
+        "c|requeued|batch|worker_lost": 65,
         "c|finished|batch|sleep|failed": 1,
         "c|finished|interactive|echo|canceled": 1,
+        "c|finished|batch|embed|failed": 3,
     }
