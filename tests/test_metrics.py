@@ -34,6 +34,7 @@ COUNTERS = {
     "gpulane_tasks_finished": ("class", "type", "status"),
     "gpulane_tasks_requeued": ("class", "reason"),
     "gpulane_reports_fenced": ("report",),
+    "gpulane_tokens": ("tenant", "model", "kind"),
 }
 GAUGES = {
     "gpulane_queue_depth",
@@ -56,6 +57,9 @@ HISTOGRAMS = {
     "gpulane_task_run_seconds": ("class", "type"),
     "gpulane_task_latency_seconds": ("class",),
     "gpulane_batch_size": ("type",),
+    "gpulane_time_to_first_token_seconds": ("backend",),
+    "gpulane_time_between_tokens_seconds": ("backend",),
+    "gpulane_backend_tokens_per_second": ("backend",),
 }
 GiB = 2**30
 
@@ -105,6 +109,10 @@ def _seed_every_series(r: redis.Redis) -> None:
     recorder.observe("run", 0.3, "batch", "echo")
     recorder.observe("latency", 0.5, "batch")
     recorder.observe("batch_size", 3, "embed")
+    recorder.count("tokens", "default", "tiny-llama", "completion", n=7)
+    recorder.observe("ttft", 0.02, "http://127.0.0.1:8000")
+    recorder.observe("tbt", 0.004, "http://127.0.0.1:8000")
+    recorder.observe("tokens_per_s", 120.0, "http://127.0.0.1:8000")
     drained = recorder.drain()
     for field, n in drained.counters.items():
         r.hincrby(keys.METRICS, field, n)

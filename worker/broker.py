@@ -43,6 +43,7 @@ class Claimed:
     file: bytes | None
     task_type: str = ""  # the job hash's ``type`` (the call data says it again)
     items: int = 1  # a chunk's item count (a task is one item)
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,18 @@ def _lease(reply: list[Any]) -> Lease:
 
 
 class Broker:
-    def __init__(self, client: Redis, settings: Settings, name: str, classes: list[str]) -> None:
+    def __init__(
+        self,
+        client: Redis,
+        settings: Settings,
+        name: str,
+        classes: list[str],
+        types: list[str] | None = None,
+    ) -> None:
         self.client = client
+        # A backend worker's routed types: it takes only those (claim.lua). None: an
+        # in-process worker, which takes every type but the routed ones.
+        self.types = types
         self.settings = settings
         self.name = name
         self.classes = classes  # served, in priority order
@@ -222,11 +233,14 @@ class Broker:
             aging=self._aging,
             device=device_json,
             **({} if mem_mb is None else {"mem": mem_mb}),
+            **({} if self.types is None else {"types": self.types}),
             **extra,
         )
 
     def _claimed(self, reply: list[Any]) -> Claimed:
-        task_id, cls, data, attempt, timeout, created, started, file, task_type, items = reply
+        task_id, cls, data, attempt, timeout, created, started, file, task_type, items, tenant = (
+            reply
+        )
         return Claimed(
             task_id=_text(task_id),
             cls=_text(cls),
@@ -238,11 +252,14 @@ class Broker:
             file=file,
             task_type=_text(task_type),
             items=int(items),
+            tenant=_text(tenant),
         )
 
     def unpark(self) -> None:
         """Stop being woken for work, passing on a doorbell taken on the way out."""
-        self._scripts.run("unpark", options(worker=self.name, classes=self.settings.class_names))
+        types = {} if self.types is None else {"types": self.types}
+        opts = options(worker=self.name, classes=self.settings.class_names, **types)
+        self._scripts.run("unpark", opts)
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a submit rings this worker's doorbell; False on timeout."""
@@ -356,6 +373,22 @@ class Broker:
 
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
+
+    def append_stream(self, task: Claimed, entries: list[tuple[str, bytes]]) -> bool:
+        """Append a generation's entries (kind, data JSON) to its stream (stream.lua);
+        False when fenced (a later attempt owns the task)."""
+        opts = options(
+            id=task.task_id,
+            worker=self.name,
+            attempt=task.attempt,
+            ttl_ms=int(self.settings.stream_ttl_s * 1000),
+        )
+        flat = [part for kind, data in entries for part in (kind, data)]
+        return bool(self._scripts.run("stream", opts, *flat))
+
+    def settle_tokens(self, task: Claimed, used: int) -> int:
+        """Give back what the task's tpm charge held beyond the tokens it used."""
+        return int(self._scripts.run("tokens", options(op="settle", id=task.task_id, used=used)))
 
     def progress(self, task: Claimed, fraction: float, message: str) -> bool:
         """Publish a running task's progress and tell the API's waiters (progress.lua);

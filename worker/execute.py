@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -44,6 +44,7 @@ __all__ = [
     "LeaseLost",
     "Outcome",
     "ProgressSink",
+    "RunControl",
     "Runner",
     "RunningTask",
     "TaskHandback",
@@ -184,6 +185,16 @@ class RunningTask:
 
     def request_cancel(self) -> None:
         self._cancel.set()
+
+
+class RunControl(Protocol):
+    """What the heartbeat and the watchdog need of a worker's runs: the one in progress
+    in the main thread (None: none, or runs not driven by interrupts, as a backend
+    worker's), and how to cancel a task's run."""
+
+    current: RunningTask | None
+
+    def cancel(self, task_id: str) -> None: ...
 
 
 class Runner:

@@ -21,7 +21,7 @@ from dispatcher.contract.reaper import Reaped, record_reaped
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent
 from worker.broker import Broker
-from worker.execute import GpuFault, Interrupts, LeaseLost, Runner, RunningTask
+from worker.execute import GpuFault, Interrupts, LeaseLost, RunControl, RunningTask
 from worker.gpu.sampler import DeviceWatch
 from worker.probe import write_health
 from worker.state import WorkerState
@@ -40,7 +40,7 @@ class Heartbeat:
         broker: Broker,
         state: WorkerState,
         recorder: Recorder,
-        runner: Runner,
+        runner: RunControl,
         interrupts: Interrupts,
         settings: Settings,
     ) -> None:

@@ -41,12 +41,12 @@ from worker.loop import WorkerLoop
 from worker.registry import REGISTRY, TaskModuleError, load_task_modules
 from worker.state import WorkerState
 
-__all__ = ["run_worker"]
+__all__ = ["register_worker", "run_worker"]
 
 log = logging.getLogger("gpulane.worker")
 
 
-def _register(
+def register_worker(
     broker: Broker,
     state: WorkerState,
     settings: Settings,
@@ -138,7 +138,7 @@ class _Worker:
         if not loaders:
             return True
         self.state.set("starting", "loading model")
-        if not _register(self.broker, self.state, self.settings, self.recorder):
+        if not register_worker(self.broker, self.state, self.settings, self.recorder):
             return False
         device = self.state.device
         target = "cuda" if device is not None and device.kind == "gpu" else "cpu"
@@ -188,12 +188,12 @@ class _Worker:
         # it): a heartbeat may publish the state at any moment, and nobody may see this
         # worker idle before its types are known.
         register = (self.broker, self.state, self.settings, self.recorder, catalog)
-        if not REGISTRY.loaders() and not _register(*register):
+        if not REGISTRY.loaders() and not register_worker(*register):
             return 0  # stopped (or unhealthy, or its name taken) before it could serve
         # Ready from this registration on: published as idle now, not a heartbeat later,
         # so admission counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")
-        if not _register(*register):
+        if not register_worker(*register):
             return 0
         device = self.state.device
         log.info(
@@ -260,7 +260,7 @@ def run_worker(
         return EXIT_CONFIG
     worker = _Worker(settings, served, name)
     _install_signals(worker.state, worker.interrupts, worker.runner)
-    if not _register(worker.broker, worker.state, settings, worker.recorder):
+    if not register_worker(worker.broker, worker.state, settings, worker.recorder):
         if not worker.state.stopping:
             log.error("a live worker is already named %r; choose another --name", worker.state.name)
             return EXIT_CONFIG

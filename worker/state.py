@@ -2,10 +2,13 @@
 (reader), and published in ``gpulane:worker:<name>`` for ``GET /workers``.
 
 States: ``starting`` (registered, loading), ``waiting_for_gpu`` (every GPU it may use
-is claimed; it serves nothing yet), ``idle``, ``busy``, ``stopping`` (finishing its
-task after SIGTERM) and ``unhealthy`` (its GPU faulted or stopped answering: it takes
-no more tasks and exits to be restarted). ``reason`` says why for ``waiting_for_gpu``
-and ``unhealthy``, and ``starting`` says "loading model" while task modules' models load.
+is claimed; it serves nothing yet), ``idle``, ``busy``, ``backend_down`` (a backend
+worker whose server does not answer: it takes no task until it does), ``stopping``
+(finishing its task after SIGTERM) and ``unhealthy`` (its GPU faulted or stopped
+answering: it takes no more tasks and exits to be restarted). ``reason`` says why for
+``waiting_for_gpu``, ``backend_down`` and ``unhealthy``, and ``starting`` says
+"loading model" while task modules' models load (a backend worker: "waiting for
+backend").
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ class WorkerState:
         self.models: dict[str, dict[str, Any]] = {}  # model id -> {"load_s", "device"}
         self.gpu_capacity_mb: int | None = None  # most GPU memory a task could get; None: no limit
         self.speed = 1.0  # declared relative speed (worker_speed): doorbell order
+        # A backend worker's server: {url, slots, busy, models}; its routed types, the
+        # idle sets it parks in (the reaper reads them from the worker hash).
+        self.backend: dict[str, Any] | None = None
+        self.parks: list[str] = []
         self.stop_requested_at: float | None = None  # monotonic
         self.unhealthy_at: float | None = None  # monotonic
         self.recycled = False  # stopping because its memory grew past max_worker_rss_mb
@@ -120,4 +127,6 @@ class WorkerState:
             "models": json.dumps(self.models),
             "gpu_capacity_mb": "" if self.gpu_capacity_mb is None else str(self.gpu_capacity_mb),
             "speed": repr(self.speed),
+            "backend": json.dumps(self.backend) if self.backend else "",
+            "parks": json.dumps(self.parks) if self.parks else "",
         }

@@ -28,7 +28,7 @@ from dispatcher.contract.exits import EXIT_STUCK, EXIT_UNHEALTHY
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed
-from worker.execute import Interrupts, Runner, TaskHandback
+from worker.execute import Interrupts, RunControl, TaskHandback
 from worker.handback import hand_back
 from worker.state import WorkerState
 
@@ -43,7 +43,7 @@ class Watchdog:
         broker: Broker,
         state: WorkerState,
         recorder: Recorder,
-        runner: Runner,
+        runner: RunControl,
         interrupts: Interrupts,
         settings: Settings,
         flush: Callable[[], None],

@@ -69,7 +69,7 @@ class Packer:
         self.ids: list[str] = []
         self._open: list[dict[str, Any]] = []
         self._bytes = 0
-        self._key: tuple[str, float, int, int] | None = None
+        self._key: tuple[str, float, int, int, bool] | None = None
 
     def add(
         self,
@@ -79,9 +79,11 @@ class Packer:
         gpu_mb: int,
         chunk: int,
         size: int = 0,
+        routed: bool = False,
     ) -> None:
-        """Add an item (``size``: its args' JSON length, when the caller knows it)."""
-        key = (task_type, timeout_s, gpu_mb, chunk)
+        """Add an item (``size``: its args' JSON length, when the caller knows it;
+        ``routed``: a backend model's type, see :class:`Record`)."""
+        key = (task_type, timeout_s, gpu_mb, chunk, routed)
         full = len(self._open) >= chunk or self._bytes + size > MAX_CHUNK_ARGS_BYTES
         if key != self._key or full:
             self._close()
@@ -98,10 +100,11 @@ class Packer:
     def _close(self) -> None:
         if not self._open or self._key is None:
             return
-        task_type, timeout_s, gpu_mb, _ = self._key
+        task_type, timeout_s, gpu_mb, _, routed = self._key
         items, self._open, self._bytes = self._open, [], 0
         if len(items) == 1:  # a lone item is a task: its id and record as any task's
-            record = Record(task_type, encode_call(task_type, items[0]), timeout_s, 1, gpu_mb)
+            data = encode_call(task_type, items[0])
+            record = Record(task_type, data, timeout_s, 1, gpu_mb, routed=routed)
             self.ids.append(record.task_id)
         else:
             data = encode_call(task_type, {}, items=items)
@@ -165,7 +168,9 @@ async def parse_bulk(
         elif sub.cls != first.cls:
             message = f"class {sub.cls!r}: a bulk submit goes to one class ({first.cls!r})."
             raise _at(index, ApiError(422, "invalid_request", message))
-        packer.add(sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk, len(text))
+        packer.add(
+            sub.task_type, sub.args, sub.timeout_s, sub.gpu_memory_mb, chunk, len(text), sub.routed
+        )
     assert first is not None  # _tasks refuses an empty list
     records, ids = packer.done()
     fits_ever(len(ids), len(records), first, settings)

@@ -56,6 +56,7 @@ class TaskTypeInfo:
     model: str | None = None  # the model id the type serves, when it names one
     gpu_memory_mb: int = 0  # GPU memory a task of the type needs (its @task declaration)
     batch_size: int = 0  # a batched type's Batch.max_size; 0: not batched
+    backend: bool = False  # a backend model's type, routed to its backend workers
 
     def chunk_size(self, settings: Settings) -> int:
         """Items one record of a request holds: a batched type's batch size (its
@@ -104,6 +105,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         model=str(entry["model"]) if entry.get("model") else None,
         gpu_memory_mb=gpu_memory_mb,
         batch_size=batch_size,
+        backend=entry.get("backend") is True,
     )
 
 

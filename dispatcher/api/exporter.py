@@ -62,6 +62,11 @@ _HELP = {
     "run": "Seconds a task ran on its worker.",
     "latency": "Seconds from submit to a final status.",
     "batch_size": "Tasks per handler call of a batched type.",
+    "tokens": "Model tokens used by generations through backend workers, per tenant, model "
+    "and kind (prompt, completion).",
+    "ttft": "Seconds from a backend worker's forward to the first streamed token, per backend.",
+    "tbt": "Seconds between streamed tokens, per backend.",
+    "tokens_per_s": "Completion tokens per second of one generation, per backend.",
 }
 
 

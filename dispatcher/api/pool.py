@@ -88,7 +88,7 @@ def _worker_view(
 ) -> dict[str, Any]:
     # The in-flight list is the truth about busy/idle; the published state lags a beat.
     state = info.get("state", "starting")
-    if current and state not in ("stopping", "unhealthy"):
+    if current and state not in ("stopping", "unhealthy", "backend_down"):
         state = "busy"
     elif state == "busy":
         state = "idle"
@@ -110,6 +110,8 @@ def _worker_view(
         "models": json.loads(info.get("models", "{}")),
         "gpu_capacity_mb": int(info["gpu_capacity_mb"]) if info.get("gpu_capacity_mb") else None,
         "speed": float(info.get("speed") or 1.0),
+        # A backend worker's server: {url, slots, busy, models}; None for the others.
+        "backend": json.loads(info["backend"]) if info.get("backend") else None,
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from dispatcher.api.exporter import Histogram, Recorded
 from dispatcher.contract.jobs import FINAL, TaskStatus
 
-__all__ = ["LatencyWindow", "class_stats", "latency_by_class", "quantile"]
+__all__ = ["LatencyWindow", "class_stats", "latency_by_class", "quantile", "token_stats"]
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
 PUBLIC_FINAL = tuple(str(s) for s in TaskStatus if s in FINAL)  # in the enum's order
@@ -129,3 +129,15 @@ def class_stats(
         "requeued": sum(_sum_by(counters.get("requeued", {}), cls, 1).values()),
         "latency_s": _percentiles(latency, window_s),
     }
+
+
+def token_stats(recorded: Recorded, tenant: str | None) -> dict[str, dict[str, dict[str, int]]]:
+    """Model tokens used through backend workers: tenant -> model -> {prompt,
+    completion}; only ``tenant``'s own unless None (an admin key, or an open API)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for (who, model, kind), value in recorded.counters.get("tokens", {}).items():
+        if tenant is not None and who != tenant:
+            continue
+        entry = out.setdefault(who, {}).setdefault(model, {"prompt": 0, "completion": 0})
+        entry[kind] = entry.get(kind, 0) + int(value)
+    return out

@@ -53,6 +53,7 @@ class Submission:
     # idempotency fingerprint takes this: a type republished with another declaration
     # must not turn a client's retry into a different request.
     gpu_memory_asked: int | None = None
+    routed: bool = False  # a backend model's type: only its backend workers take it
 
 
 @dataclass(frozen=True)
@@ -67,21 +68,28 @@ class Record:
     items: int = 1
     gpu_memory_mb: int = 0
     task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    routed: bool = False  # a backend model's type: only its backend workers take it
+    tpm: int = 0  # model tokens its tenant's tpm budget was charged (settled later)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "id": self.task_id,
             "type": self.task_type,
             "items": self.items,
             "timeout": self.timeout_s,
             "gpu_mb": self.gpu_memory_mb,
         }
+        if self.routed:
+            out["routed"] = True
+        if self.tpm:
+            out["tpm"] = self.tpm
+        return out
 
 
 def record_of(sub: Submission) -> Record:
     """A single submit's one record: its task, the call encoded."""
     data = encode_call(sub.task_type, sub.args, sub.file)
-    return Record(sub.task_type, data, sub.timeout_s, 1, sub.gpu_memory_mb)
+    return Record(sub.task_type, data, sub.timeout_s, 1, sub.gpu_memory_mb, routed=sub.routed)
 
 
 @dataclass(frozen=True)

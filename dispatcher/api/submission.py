@@ -366,4 +366,5 @@ async def submission_of(
         weight=principal.config.weight if principal.config else None,
         gpu_memory_mb=gpu_memory_mb,
         gpu_memory_asked=gpu_memory_mb if fields.get("gpu_memory_mb") is not None else None,
+        routed=info.backend,
     )

@@ -47,6 +47,8 @@ gpulane's keys::
                                             (fastest, then best fit). Earlier versions
                                             kept a SET gpulane:idle:<class>; the new
                                             name lets a leftover one break nothing
+    gpulane:parked:<class>:<type>    ZSET   the same, for a routed type (a backend
+                                            model's): the backend workers serving it
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
@@ -77,6 +79,13 @@ gpulane's keys::
     gpulane:tenant:<tenant>:tasks    ZSET   a tenant's queued and running task ids
                                             (created ms), for max_in_flight
     gpulane:rate:<tenant>            HASH   the tenant's token bucket: tokens, at_ms
+    gpulane:tpm:<tenant>             HASH   the tenant's model-token bucket (its tpm):
+                                            tokens, at_ms; charged max_tokens at
+                                            admission, settled with the real usage
+    gpulane:stream:<id>              STREAM a generation's chunks as its backend worker
+                                            relays them (fields k: chunk | end | error,
+                                            d: JSON); any API process reads it; expires
+                                            stream_ttl_s after its last entry
     gpulane:reaper:lock              STRING one reaper at a time (SET NX PX)
     gpulane:reaper:last              STRING Redis time of the last reaper pass (ms)
     gpulane:gpu:<uuid>:<slot>        STRING name of the worker holding that claim slot of
@@ -122,6 +131,7 @@ __all__ = [
     "lanes",
     "lua_prelude",
     "parked",
+    "parked_type",
     "queue",
     "queued_bytes",
     "queued_extra",
@@ -131,7 +141,9 @@ __all__ = [
     "rq_worker_executions",
     "rq_workers_of",
     "stats",
+    "stream",
     "tenant_tasks",
+    "tpm",
     "wake",
     "worker",
 ]
@@ -161,6 +173,9 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "worker": (_P + "worker:", ("name",), ""),
     "inflight": (_P + "inflight:", ("name", "cls"), ""),
     "parked": (_P + "parked:", ("cls",), ""),
+    "parked_type": (_P + "parked:", ("cls", "task_type"), ""),
+    "stream": (_P + "stream:", ("task_id",), ""),
+    "tpm": (_P + "tpm:", ("tenant",), ""),
     "lane": (_P + "lane:", ("cls", "tenant"), ""),
     "lanes": (_P + "lanes:", ("cls",), ""),
     "fair": (_P + "fair:", ("cls",), ""),
@@ -220,6 +235,18 @@ def inflight(name: str, cls: str) -> str:
 
 def parked(cls: str) -> str:
     return _build("parked", cls)
+
+
+def parked_type(cls: str, task_type: str) -> str:
+    return _build("parked_type", cls, task_type)
+
+
+def stream(task_id: str) -> str:
+    return _build("stream", task_id)
+
+
+def tpm(tenant: str) -> str:
+    return _build("tpm", tenant)
 
 
 def lane(cls: str, tenant: str) -> str:

@@ -9,7 +9,8 @@ export lags by at most one heartbeat. Hash fields::
     h|<histogram>|<label values...>|<le>   observations in the bucket ending at le
     s|<histogram>|<label values...>        sum of observations
 
-Label values never contain ``|``: classes and task types are validated names.
+Label values never contain ``|``: classes, task types and tenants are validated names,
+and a backend worker writes a model id's ``|`` as ``_``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ BUCKETS = (
 )
 
 
+# Seconds between a generation's tokens, or to its first: milliseconds, finer below.
+TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    float("inf"),
+)  # fmt: skip
+# Tokens per second of one generation (gpulane_backend_tokens_per_second).
+RATE_BUCKETS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0, float("inf"))
+
 # Tasks per handler call (gpulane_batch_size).
 SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, float("inf"))
 
@@ -70,6 +79,8 @@ COUNTERS = {
     "rejected": ("gpulane_tasks_rejected_total", ("class", "reason")),
     "finished": ("gpulane_tasks_finished_total", ("class", "type", "status")),
     "requeued": ("gpulane_tasks_requeued_total", ("class", "reason")),
+    # Model tokens a backend worker's tasks used (kind: prompt | completion).
+    "tokens": ("gpulane_tokens_total", ("tenant", "model", "kind")),
     # Counted by the scripts themselves (c|fenced|<report>), not through a Recorder.
     "fenced": ("gpulane_reports_fenced_total", ("report",)),
 }
@@ -78,9 +89,17 @@ HISTOGRAMS = {
     "run": ("gpulane_task_run_seconds", ("class", "type")),
     "latency": ("gpulane_task_latency_seconds", ("class",)),
     "batch_size": ("gpulane_batch_size", ("type",)),
+    "ttft": ("gpulane_time_to_first_token_seconds", ("backend",)),
+    "tbt": ("gpulane_time_between_tokens_seconds", ("backend",)),
+    "tokens_per_s": ("gpulane_backend_tokens_per_second", ("backend",)),
 }
-# Histograms not measured in seconds, with their buckets.
-_OTHER_BUCKETS = {"batch_size": SIZE_BUCKETS}
+# Histograms with buckets of their own.
+_OTHER_BUCKETS = {
+    "batch_size": SIZE_BUCKETS,
+    "ttft": TOKEN_BUCKETS,
+    "tbt": TOKEN_BUCKETS,
+    "tokens_per_s": RATE_BUCKETS,
+}
 
 
 def buckets_of(name: str) -> tuple[float, ...]:

@@ -84,6 +84,8 @@ NAMES = (
     "gpu_lease",
     "unpark",
     "progress",
+    "stream",
+    "tokens",
 )
 
 
@@ -94,6 +96,7 @@ FLAGS = {
     "heartbeat": "allow-oom",
     "gpu_lease": "allow-oom",
     "ratelimit": "allow-oom",
+    "tokens": "allow-oom",
 }
 
 

@@ -120,6 +120,18 @@ class TenantConfig(BaseModel):
     )
     classes: list[str] | None = Field(None, description="Classes it may submit to; all if unset.")
     admin: bool = False
+    tpm: int | None = Field(
+        None,
+        ge=1,
+        description="Model tokens per minute (prompt plus completion) for generation routes; "
+        "unset: no budget. `max_tokens` is charged at admission and settled with the real "
+        "usage; over it, 429 with Retry-After.",
+    )
+    generation_class: str | None = Field(
+        None,
+        description="Class of its /v1/chat/completions and /v1/completions requests; unset: "
+        "`generation_class` of the settings. The X-Gpulane-Class header overrides both.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -258,6 +270,37 @@ class Settings(BaseSettings):
         24 * MiB, ge=1024, description="/v1/embeddings body limit (2,048 inputs of 8,192 chars)."
     )
     openai_max_input_chars: int = Field(8192, ge=1, description="Characters per input.")
+
+    # Generation through backend workers (``/v1/chat/completions``, ``/v1/completions``).
+    generation_class: str | None = Field(
+        None,
+        description="Class of generation requests; unset: `interactive` if configured, "
+        "else default_class (a tenant's generation_class and X-Gpulane-Class override).",
+    )
+    generation_timeout_s: float = Field(
+        600.0, gt=0, description="Run-time limit of a generation (its task's timeout)."
+    )
+    generation_max_body_bytes: int = Field(
+        4 * MiB, ge=1024, description="Body limit of the generation routes."
+    )
+    default_max_tokens: int = Field(
+        1024,
+        ge=1,
+        description="What a tpm budget charges at admission for a request with no max_tokens.",
+    )
+    stream_ttl_s: float = Field(
+        600.0, gt=0, description="How long a generation's stream is kept after its last chunk."
+    )
+    backend_probe_interval_s: float = Field(
+        1.0, gt=0, description="How often a backend worker checks that its server answers."
+    )
+    backend_slots: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Tasks a backend worker holds at once when neither --slots nor the server "
+        "says (llama.cpp's /props total_slots).",
+    )
 
     # Task lifetime.
     default_timeout_s: float = Field(600.0, gt=0)
@@ -401,6 +444,11 @@ class Settings(BaseSettings):
             raise ValueError("default_timeout_s must not exceed max_timeout_s")
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not a configured class")
+        named = [("generation_class", self.generation_class)]
+        named += [(f"tenant {t.name} generation_class", t.generation_class) for t in self.tenants]
+        for name, value in named:
+            if value is not None and value not in self.classes:
+                raise ValueError(f"{name} {value!r} is not a configured class")
         if self.openai_class is not None and self.openai_class not in self.classes:
             raise ValueError(f"openai_class {self.openai_class!r} is not a configured class")
         names = [t.name for t in self.tenants]
@@ -445,6 +493,12 @@ class Settings(BaseSettings):
     @property
     def redis_url_or_default(self) -> str:
         return self.redis_url or "redis://127.0.0.1:6379/0"
+
+    @property
+    def generation_task_class(self) -> str:
+        if self.generation_class is not None:
+            return self.generation_class
+        return "interactive" if "interactive" in self.classes else self.default_class
 
     @property
     def openai_task_class(self) -> str:

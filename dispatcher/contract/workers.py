@@ -20,13 +20,16 @@ __all__ = [
 ]
 
 # What a worker publishes as its state (worker.state writes it, this module reads it).
-WorkerStatus = Literal["starting", "waiting_for_gpu", "idle", "busy", "stopping", "unhealthy"]
+WorkerStatus = Literal[
+    "starting", "waiting_for_gpu", "idle", "busy", "backend_down", "stopping", "unhealthy"
+]
 WORKER_STATES: tuple[str, ...] = get_args(WorkerStatus)
 
 # Live workers that take no task yet or any more: loading (registered before it has a
-# device and its task modules), waiting for a free GPU, draining on its way out, or
-# out of service after a GPU fault. Admission must not count them as capacity.
-NOT_SERVING = frozenset({"starting", "waiting_for_gpu", "stopping", "unhealthy"})
+# device and its task modules), waiting for a free GPU, a backend worker whose server
+# does not answer, draining on its way out, or out of service after a GPU fault.
+# Admission must not count them as capacity.
+NOT_SERVING = frozenset({"starting", "waiting_for_gpu", "backend_down", "stopping", "unhealthy"})
 
 
 # RQ's worker registry (keys in dispatcher.contract.keys). Each worker publishes itself

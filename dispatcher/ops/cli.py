@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int)
     up.add_argument("--redis-url", help="use this Redis instead of a private one")
     up.add_argument("--data-dir", type=Path)
+    up.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also start a backend worker for this OpenAI-compatible server (repeatable)",
+    )
 
     api = sub.add_parser("api", help="run the HTTP API")
     api.add_argument("--host")
@@ -77,6 +84,20 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--tasks", type=_csv, help="task modules to load (default: built-ins)")
     worker.add_argument("--name", help="worker name (default: host.pid)")
     worker.add_argument("--redis-url")
+    worker.add_argument(
+        "--backend",
+        metavar="URL",
+        help="front this OpenAI-compatible inference server instead of running task modules",
+    )
+    worker.add_argument(
+        "--slots",
+        type=int,
+        help="with --backend: tasks held at once (default: the server's /props total_slots, "
+        "else backend_slots, 8)",
+    )
+    worker.add_argument(
+        "--api-key-env", metavar="VAR", help="with --backend: the server's API key is in VAR"
+    )
 
     catalog = sub.add_parser(
         "catalog", help="publish the task types of the configured task modules to Redis"
@@ -118,7 +139,7 @@ def _cmd_up(ns: argparse.Namespace, settings: Settings) -> int:
         print("gpulane up: --workers takes a positive number or auto", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return Supervisor(settings, ns.workers).run()
+        return Supervisor(settings, ns.workers, ns.backend).run()
     except (UpError, RuntimeError) as exc:
         print(f"gpulane up: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -174,6 +195,18 @@ def _cmd_worker(ns: argparse.Namespace, settings: Settings) -> int:
 
     if ns.per_gpu is not None and ns.per_gpu < 1:
         print("gpulane worker: --per-gpu takes a positive number", file=sys.stderr)
+        return EXIT_USAGE
+    if ns.slots is not None and ns.slots < 1:
+        print("gpulane worker: --slots takes a positive number", file=sys.stderr)
+        return EXIT_USAGE
+    if ns.backend:
+        from worker.backend.main import run_backend_worker
+
+        return run_backend_worker(
+            settings, ns.backend, ns.slots, ns.api_key_env, ns.classes, ns.name
+        )
+    if ns.slots is not None or ns.api_key_env is not None:
+        print("gpulane worker: --slots and --api-key-env go with --backend", file=sys.stderr)
         return EXIT_USAGE
     return run_worker(
         settings,

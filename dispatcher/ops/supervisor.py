@@ -180,9 +180,10 @@ def read_up_file(data_dir: Path) -> dict[str, Any] | None:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, workers: str) -> None:
+    def __init__(self, settings: Settings, workers: str, backends: list[str] | None = None) -> None:
         self.settings = settings
         self.workers_spec = workers
+        self.backends = backends or []  # one backend worker per URL, beside the others
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
         self.listener: socket.socket | None = None
@@ -293,6 +294,10 @@ class Supervisor:
         self.children = [
             Child("api", api, env, label=url, pass_fds=(fd,)),
             *self._worker_children(env),
+            *(
+                self._worker(env, f"backend{i}", ["--backend", url], url)
+                for i, url in enumerate(self.backends)
+            ),
         ]
         for child in self.children:
             child.start()

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from dispatcher.api.deps import caller, services
 from dispatcher.api.errors import STORE_RETRY_AFTER_S, ApiError, error_body, error_responses
 from dispatcher.api.exporter import pool_families, read_recorded, redis_families, render
-from dispatcher.api.stats import LatencyWindow, class_stats, latency_by_class
+from dispatcher.api.stats import LatencyWindow, class_stats, latency_by_class, token_stats
 from dispatcher.contract.workers import NOT_SERVING
 
 __all__ = ["router"]
@@ -132,7 +132,10 @@ async def stats(request: Request) -> dict[str, Any]:
     `gpulane_task_latency_seconds` buckets like PromQL's `histogram_quantile`, over the
     tasks that finished in the last `window_s` seconds (up to 300); `window_s` is null
     when it covers every task so far, because none finished recently or this replica
-    has not been asked before. Percentiles are null without tasks."""
+    has not been asked before. Percentiles are null without tasks.
+
+    `tokens`: model tokens generations used through backend workers, `{tenant: {model:
+    {"prompt", "completion"}}}` (a tenant's key sees its own)."""
     svc = services(request)
     principal = await caller(request)
     recorded = await read_recorded(svc.client)
@@ -142,7 +145,8 @@ async def stats(request: Request) -> dict[str, Any]:
             class_stats(cls, recorded, recent)
             for cls in svc.settings.class_names
             if principal.may_use(cls)
-        ]
+        ],
+        "tokens": token_stats(recorded, principal.task_scope),
     }
 
 

@@ -29,7 +29,10 @@ from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import Packer, fits_ever
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
-from dispatcher.api.routes.tasks import refusal
+from dispatcher.api.openai_shape import invalid as _invalid
+from dispatcher.api.openai_shape import openai_error as _openai_error
+from dispatcher.api.openai_shape import responses as _errors
+from dispatcher.api.refusals import refusal
 from dispatcher.api.store import Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
@@ -55,10 +58,6 @@ _ITEM_STATUS = {
 }
 
 
-def _invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, "invalid_request", message, param=param)
-
-
 async def _models(svc: Services, wanted: str | None = None) -> dict[str, str]:
     """model id -> the task type that serves it, from the catalog the maintenance loop
     keeps fresh; read afresh only when ``wanted`` is missing (a worker that just came)."""
@@ -67,57 +66,6 @@ async def _models(svc: Services, wanted: str | None = None) -> dict[str, str]:
         await svc.catalog.refresh()
         models = svc.catalog.models()
     return models
-
-
-# gpulane error code -> OpenAI's error type.
-_TYPES = {
-    "unauthorized": "authentication_error",
-    "rate_limited": "rate_limit_exceeded",
-    "model_not_found": "invalid_request_error",
-    "invalid_request": "invalid_request_error",
-    "payload_too_large": "invalid_request_error",
-    "forbidden": "permission_error",
-}
-
-
-def _openai_error(exc: ApiError, request: Request) -> JSONResponse:
-    param = exc.extra.get("param")
-    body = {
-        "error": {
-            "message": exc.message,
-            "type": _TYPES.get(exc.code, "server_error"),
-            "param": param if isinstance(param, str) else None,
-            "code": exc.code,
-        }
-    }
-    headers = {**extra_headers(request), **exc.headers}
-    return JSONResponse(body, status_code=exc.status, headers=headers)
-
-
-_ERROR = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": "string"},
-            },
-        }
-    },
-}
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI responses for these statuses, with OpenAI's error body."""
-    content = {"application/json": {"schema": _ERROR}}
-    return {
-        s: {"description": "An error, in OpenAI's shape.", "content": content} for s in statuses
-    }
 
 
 MODEL_EXAMPLE = "sentence-transformers/all-MiniLM-L6-v2"

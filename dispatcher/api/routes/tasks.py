@@ -8,7 +8,6 @@ is in :mod:`dispatcher.api.routes.events`.
 from __future__ import annotations
 
 import logging
-import math
 import re
 from typing import Any
 
@@ -22,6 +21,8 @@ from dispatcher.api.bulk import JSON_LINES, parse_bulk, split_item_id
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
+from dispatcher.api.refusals import backpressure as _backpressure
+from dispatcher.api.refusals import refusal
 from dispatcher.api.store import Record, Submission, SubmitResult, record_of
 from dispatcher.api.submission import content_type, json_body, parse_submission
 from dispatcher.api.waiters import unless_disconnected
@@ -134,64 +135,8 @@ _CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:
-    return {
-        "Gpulane-Queue-Depth": str(depth),
-        "Gpulane-Estimated-Wait": f"{est:.1f}" if est is not None else "-1",
-        "Gpulane-Pressure": pressure,
-    }
-
-
 def _class_headers(state: ClassState) -> dict[str, str]:
     return _backpressure(state.depth, state.estimated_wait_s, state.pressure)
-
-
-def refusal(result: SubmitResult, state: ClassState, sub: Submission, items: int = 1) -> ApiError:
-    """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings);
-    ``items``: the request's (Retry-After waits for room for all of them)."""
-    if result.verdict == "over_quota":
-        retry = max(math.ceil(state.run_s), 1)  # about when one of its tasks ends
-        return ApiError(
-            429,
-            "rate_limited",
-            f"Tenant {sub.tenant!r} has {sub.max_in_flight} tasks queued or running, its "
-            f"max_in_flight; retry in {retry} s.",
-            headers={"Retry-After": str(retry)},
-            retry_after_s=retry,
-        )
-    # The queue drains at the whole class's pace; with no card that fits, a bigger one
-    # may join within a lease (NO_WORKERS_RETRY_S). Refused by its wait: the estimate
-    # that refused it says how much too long (under fair share only the tasks fair
-    # order puts ahead count, not the class's whole depth).
-    workers = state.workers if state.fitting(sub.gpu_memory_mb) else 0
-    if result.limit == "wait" and result.estimated_wait_s is not None:
-        retry = admission.retry_after_wait_s(result.estimated_wait_s, state.config)
-    else:
-        depth = result.depth + items - 1  # as deep as the queue its last item joins
-        retry = admission.retry_after_s(depth, state.run_s, workers, state.config)
-    headers = {
-        **_backpressure(result.depth, result.estimated_wait_s, "full"),
-        "Retry-After": str(retry),
-    }
-    extra: dict[str, Any] = {}
-    if result.verdict == "no_workers" and state.workers > 0:
-        largest = state.largest_mb
-        message = (
-            f"No live worker of class {state.name!r} has a GPU that could hold the "
-            f"{sub.gpu_memory_mb} MB this task needs (the largest offers {largest} MB); "
-            "retry when a bigger card serves the class."
-        )
-        extra = {"gpu_memory_mb": sub.gpu_memory_mb, "largest_gpu_memory_mb": largest}
-    elif result.verdict == "no_workers":
-        message = f"No live worker serves class {state.name!r}; retry later."
-    elif result.limit == "bytes":
-        message = (
-            f"Class {state.name!r} is full: its unfinished tasks hold max_queued_bytes "
-            f"({state.config.max_queued_bytes} bytes of uploads); retry in {retry} s."
-        )
-    else:
-        message = f"Class {state.name!r} is full ({result.depth} queued); retry in {retry} s."
-    return ApiError(503, result.verdict, message, headers=headers, retry_after_s=retry, **extra)
 
 
 async def _submit(

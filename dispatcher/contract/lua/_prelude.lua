@@ -54,9 +54,13 @@ end
 -- GPU has `need` MB free (0 or nil: any worker). It leaves every idle set, so a second
 -- task does not wake the same worker while another one sits idle. None fits: nobody is
 -- rung; a worker finishing its task, or a parked one's periodic look, takes it.
+-- A routed record (`routed`: its type, served only by the workers that declare it:
+-- backend workers, one type per backend model) rings from that type's idle set
+-- instead, gpulane:parked:<class>:<type>.
 local SPEED_BANDS = 16 -- distinct speeds looked through for a task that needs memory
-local function wake(cls, classes, need)
-  local ik = K.parked(cls)
+local function wake(cls, classes, need, routed)
+  local function parked(c) return routed and K.parked_type(c, routed) or K.parked(c) end
+  local ik = parked(cls)
   local w
   need = tonumber(need) or 0
   if need > 0 then
@@ -76,7 +80,7 @@ local function wake(cls, classes, need)
   end
   if w then
     for _, c in ipairs(classes) do
-      if c ~= cls then redis.call('ZREM', K.parked(c), w) end
+      if c ~= cls then redis.call('ZREM', parked(c), w) end
     end
     redis.call('LPUSH', K.wake(w), '1')
   end
@@ -295,9 +299,9 @@ local function requeue(id, cls, classes, extra, at_head)
   local jk = K.job(id)
   redis.call('HSET', jk, 'status', 'queued', 'worker_name', '', 'started_ms', '',
     'started_at', '', 'device', '', 'progress', '', unpack(extra))
-  local f = redis.call('HMGET', jk, 'lane', 'gpu_mb', 'items')
+  local f = redis.call('HMGET', jk, 'lane', 'gpu_mb', 'items', 'route', 'type')
   enqueue(cls, id, f[1], at_head, f[3])
-  wake(cls, classes, f[2])
+  wake(cls, classes, f[2], f[4] == '1' and f[5])
   notify(id)
 end
 
@@ -393,6 +397,9 @@ end
 -- Forget worker `w` and give back what it held. Returns {"id|class|type|outcome|items", ...}.
 local function reap_worker(w, now, o)
   local out = {}
+  -- A backend worker parks in its types' idle sets (`parks`: their names, JSON).
+  local parks = redis.call('HGET', K.worker(w), 'parks')
+  parks = parks and parks ~= '' and cjson.decode(parks) or {}
   for _, c in ipairs(o.classes) do
     local ik = K.inflight(w, c)
     local held = redis.call('LRANGE', ik, 0, -1)
@@ -403,6 +410,7 @@ local function reap_worker(w, now, o)
     end
     redis.call('DEL', ik)
     redis.call('ZREM', K.parked(c), w)
+    for _, t in ipairs(parks) do redis.call('ZREM', K.parked_type(c, t), w) end
   end
   redis.call('DEL', K.worker(w), K.wake(w), K.control(w))
   redis.call('ZREM', K.WORKERS, w)

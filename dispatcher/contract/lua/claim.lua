@@ -19,16 +19,21 @@
 -- reaper gives back them all.
 -- `more` ({class, type, n}): only take up to n more items of such tasks (a short batch
 -- waiting for more); nothing is parked.
+-- Routing: a record with `route` '1' (a backend model's type) is taken only by a worker
+-- that lists its type in `types` (a backend worker), and a worker with `types` takes
+-- nothing else; it parks in those types' idle sets (gpulane:parked:<class>:<type>),
+-- where a routed submit rings it. Other workers pass over routed records as over one
+-- too big for their card (the same SCAN).
 -- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
 --           redeliver (the caller lost the reply of its last claim), batch, rank?, mem?,
---           more?}
+--           more?, types?}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
--- started_ms, file|nil, type, items}; more than one only for a batch) or nil; with `more`,
+-- started_ms, file|nil, type, items, tenant}; more than one only for a batch) or nil; with `more`,
 -- {stop (1: stop waiting), task, ...}.
 local o = cjson.decode(ARGV[1])
 local w = o.worker
 local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type',
-  'gpu_mb', 'lane', 'items'}
+  'gpu_mb', 'lane', 'items', 'route', 'tenant'}
 -- A redelivery reads the run's owner and start with them, in the same HMGET.
 local RUN_FIELDS = {unpack(FIELDS)}
 RUN_FIELDS[#RUN_FIELDS + 1] = 'worker_name'
@@ -37,8 +42,21 @@ local SCAN = 32 -- tasks looked at past one that does not fit this worker's GPU
 local MAX_LANES = 64 -- lanes looked at when none of the first has a task that fits
 local budget = 64 -- task records one claim reads past unfitting heads, in all
 
+local serves = false -- a backend worker's types, as a set
+if o.types then
+  serves = {}
+  for _, t in ipairs(o.types) do serves[t] = true end
+end
+
+-- Whether this worker may take a task of this GPU memory need, type and route flag.
+local function may_take(gpu_mb, task_type, route)
+  if o.mem and (tonumber(gpu_mb) or 0) > o.mem then return false end
+  if serves then return serves[task_type] == true end
+  return route ~= '1'
+end
+
 local function fits(f)
-  return not o.mem or (tonumber(f[8]) or 0) <= o.mem
+  return may_take(f[8], f[7], f[11])
 end
 
 local function live(f)
@@ -170,7 +188,7 @@ local function handed(id, c, f, attempts, started_ms)
   local file = false
   if f[6] == '1' then file = redis.call('GET', K.file(id)) end
   return {id, c, f[2], attempts, f[4] or '', f[5] or '', started_ms, file, f[7] or '',
-    tonumber(f[10]) or 1}
+    tonumber(f[10]) or 1, f[12] or ''}
 end
 
 local function start(p, now)
@@ -189,10 +207,8 @@ end
 local function higher_queued(i)
   for j = 1, i - 1 do
     local head = redis.call('LINDEX', K.queue(o.classes[j]), 0)
-    if head and (not o.mem or (tonumber(redis.call('HGET', K.job(head), 'gpu_mb')) or 0)
-      <= o.mem) then
-      return true
-    end
+    local f = head and redis.call('HMGET', K.job(head), 'gpu_mb', 'type', 'route')
+    if f and may_take(f[1], f[2], f[3]) then return true end
   end
   return false
 end
@@ -236,8 +252,18 @@ local function with_batch(task, c, t, now)
   return out
 end
 
+-- The idle sets this worker parks in, for class c.
+local function parked_sets(c)
+  if not serves then return {K.parked(c)} end
+  local out = {}
+  for _, t in ipairs(o.types) do out[#out + 1] = K.parked_type(c, t) end
+  return out
+end
+
 if o.was_idle then
-  for _, c in ipairs(o.classes) do redis.call('ZREM', K.parked(c), w) end
+  for _, c in ipairs(o.classes) do
+    for _, key in ipairs(parked_sets(c)) do redis.call('ZREM', key, w) end
+  end
 end
 
 -- The reply to an earlier claim was lost (a timeout or a reset connection): the task it
@@ -275,5 +301,7 @@ for i, c in ipairs(o.classes) do
 end
 
 local score = park_score(o.rank, o.mem)
-for _, c in ipairs(o.classes) do redis.call('ZADD', K.parked(c), score, w) end
+for _, c in ipairs(o.classes) do
+  for _, key in ipairs(parked_sets(c)) do redis.call('ZADD', key, score, w) end
+end
 return nil

@@ -3,7 +3,9 @@
 -- or more records of one class and tenant (a bulk submit's tasks and chunks, the
 -- chunks of /v1/embeddings), admitted whole or not at all.
 -- ARGV[1]: options (JSON, see dispatcher/api/store.py), with `records`, one
--- {id, type, items, timeout, gpu_mb} per record; ARGV[2 .. n+1]: each record's RQ call
+-- {id, type, items, timeout, gpu_mb, routed?, tpm?} per record (routed: only workers
+-- that declare the type take it, see claim.lua; tpm: the model tokens its tenant's
+-- budget was charged, settled by tokens.lua); ARGV[2 .. n+1]: each record's RQ call
 -- data; ARGV[n+2]: the uploaded file's bytes ('' when there is none; a request with a
 -- file has one record).
 -- Limits count items (a task is one, a chunk its `items`): the class's queued items
@@ -94,6 +96,8 @@ for i, r in ipairs(records) do
     'failure_ttl', o.ttl_s, 'type', r.type, 'tenant', o.tenant, 'attempts', 0, 'lost', 0,
     'has_file', has_file, 'quota', quota, 'bytes', size, 'lane', o.lane, 'gpu_mb', r.gpu_mb}
   if r.items > 1 then fields[#fields + 1] = 'items'; fields[#fields + 1] = r.items end
+  if r.routed then fields[#fields + 1] = 'route'; fields[#fields + 1] = '1' end
+  if r.tpm then fields[#fields + 1] = 'tpm'; fields[#fields + 1] = r.tpm end
   redis.call('HSET', K.job(r.id), unpack(fields))
   enqueue(o.class, r.id, o.lane, false, r.items)
   if o.max_in_flight > 0 then redis.call('ZADD', tk, now, r.id) end
@@ -107,8 +111,9 @@ if o.idem ~= '' then
     o.idem_ttl_s)
 end
 -- One doorbell per record while parked workers fit (a record a worker cannot hold
--- rings nobody: see wake).
+-- rings nobody: see wake; a routed one rings its type's workers).
 for _, r in ipairs(records) do
-  if not wake(o.class, o.classes, r.gpu_mb) and r.gpu_mb == 0 then break end
+  if not wake(o.class, o.classes, r.gpu_mb, r.routed and r.type) and r.gpu_mb == 0
+    and not r.routed then break end
 end
 return {'accepted', records[1].id, depth, est_ms, ahead}

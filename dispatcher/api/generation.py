@@ -1,0 +1,324 @@
+"""Generation through backend workers: admit a chat or completion request as one task
+of its model's routed type, then read its answer, whole or as a stream.
+
+A request is a task like any other (admission, tenants, quotas, fair share, classes),
+of the type its backend workers publish for the model (``docs/design.md`` §4
+"Backend workers"). A tenant's ``tpm`` budget is charged the request's ``max_tokens``
+plus its prompt's estimate at admission (``tokens.lua``); the backend worker settles
+it with the real usage. A stream is read from ``gpulane:stream:<id>``, which the
+backend worker fills, so any API process can serve it; a client that leaves cancels
+the task, which closes the worker's connection to its server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from dispatcher.api.auth import Principal
+from dispatcher.api.catalog import TaskTypeInfo
+from dispatcher.api.deps import Services
+from dispatcher.api.errors import ApiError
+from dispatcher.api.refusals import refusal
+from dispatcher.api.store import Record, Submission
+from dispatcher.contract import keys
+from dispatcher.contract.generation import Kind, StreamEntry, estimate_tokens
+from dispatcher.contract.jobs import FINAL, TaskStatus, encode_call
+from dispatcher.contract.scripts import options
+from dispatcher.contract.workers import NOT_SERVING
+
+__all__ = [
+    "CLASS_HEADER",
+    "Generation",
+    "answer_bytes",
+    "backend_model",
+    "error_of",
+    "first_entry",
+    "read_stream",
+    "submit",
+]
+
+CLASS_HEADER = "x-gpulane-class"
+_READ_BLOCK_MS = 1000  # an XREAD waits this long before the record is looked at
+_READ_COUNT = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """An admitted request: its task, and what its answer needs."""
+
+    task_id: str
+    model: str
+    kind: Kind
+    include_usage: bool
+    created: int
+
+
+async def backend_model(svc: Services, model: Any, kind: Kind) -> TaskTypeInfo:
+    """The routed type serving ``model``: 404 ``model_not_found`` when none is known, 400
+    when the model is served in-process (an embedding model has no chat)."""
+    if not isinstance(model, str) or not model:
+        message = "'model' is required: an id from GET /v1/models."
+        raise ApiError(400, "invalid_request", message, param="model")
+    types = svc.catalog.models()
+    if model not in types:
+        await svc.catalog.refresh()
+        types = svc.catalog.models()
+    info = await svc.catalog.lookup(types[model]) if model in types else None
+    if info is None:
+        raise ApiError(404, "model_not_found", f"The model {model[:100]!r} does not exist.")
+    if not info.backend:
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"The model {model!r} runs in-process: it serves /v1/embeddings, not {kind.value}.",
+            param="model",
+        )
+    return info
+
+
+def _class_of(svc: Services, principal: Principal, header: str | None) -> str:
+    cls = header or (principal.config.generation_class if principal.config else None)
+    cls = cls or svc.settings.generation_task_class
+    if cls not in svc.settings.classes:
+        known = svc.settings.class_names
+        raise ApiError(400, "invalid_request", f"Unknown class {cls[:40]!r}; configured: {known}.")
+    if not principal.may_use(cls):
+        raise ApiError(403, "forbidden", f"This key may not use class {cls!r}.")
+    return cls
+
+
+def _charge(kind: Kind, body: dict[str, Any], default_max: int) -> int:
+    """What a tpm budget is charged at admission: the completion's ceiling (max_tokens,
+    else max_completion_tokens, else ``default_max_tokens``) and the prompt's estimate."""
+    ceiling = body.get("max_tokens") or body.get("max_completion_tokens") or default_max
+    ceiling = ceiling if isinstance(ceiling, int) and ceiling > 0 else default_max
+    return ceiling + (estimate_tokens(kind, body) if kind is not Kind.EMBEDDINGS else 0)
+
+
+async def _take_tokens(svc: Services, principal: Principal, n: int) -> int:
+    """Charge the tenant's tpm budget (0 without one); 429 when it cannot take ``n``."""
+    tpm = principal.config.tpm if principal.config else None
+    if tpm is None:
+        return 0
+    opts = options(op="take", tenant=principal.tenant, tpm=tpm, n=n)
+    allowed, value = await svc.store.scripts.run("tokens", opts)
+    if int(allowed):
+        return n
+    retry = max(math.ceil(int(value) / 1000), 1)
+    svc.recorder.count("rejected", "-", "over_tpm")
+    raise ApiError(
+        429,
+        "rate_limited",
+        f"Tenant {principal.tenant!r} is over its budget of {tpm} tokens a minute "
+        f"(this request is charged {n}); retry in {retry} s.",
+        headers={"Retry-After": str(retry)},
+        retry_after_s=retry,
+    )
+
+
+def _capacity(workers: list[dict[str, Any]], cls: str, task_type: str) -> int:
+    """Live backend workers of ``cls`` serving ``task_type``: what admission counts."""
+    return sum(
+        1
+        for w in workers
+        if w["state"] not in NOT_SERVING and cls in w["classes"] and task_type in w["task_types"]
+    )
+
+
+async def submit(
+    svc: Services,
+    principal: Principal,
+    info: TaskTypeInfo,
+    kind: Kind,
+    body: dict[str, Any],
+    class_header: str | None,
+) -> Generation:
+    """Admit the request as one task of the model's type, or raise its refusal."""
+    cls = _class_of(svc, principal, class_header)
+    stream = bool(body.get("stream"))
+    args = {"kind": kind.value, "body": body, "stream": stream}
+    timeout_s = svc.settings.generation_timeout_s
+    sub = Submission(
+        info.name,
+        cls,
+        args,
+        timeout_s,
+        principal.tenant,
+        max_in_flight=principal.config.max_in_flight if principal.config else 0,
+        weight=principal.config.weight if principal.config else None,
+        routed=True,
+    )
+    snapshot = await svc.pool.cached()
+    workers = _capacity(snapshot.workers, cls, info.name)
+    if workers == 0:  # the cached snapshot may predate a backend that just came up
+        snapshot = await svc.pool.snapshot()
+        workers = _capacity(snapshot.workers, cls, info.name)
+    state = dataclasses.replace(snapshot.classes[cls], workers=workers, capacities=())
+    charge = _charge(kind, body, svc.settings.default_max_tokens)
+    charged = await _take_tokens(svc, principal, charge)
+    record = Record(info.name, encode_call(info.name, args), timeout_s, routed=True, tpm=charged)
+    try:
+        result = await svc.store.submit_records(sub, [record], state)
+    except (RedisError, ApiError):
+        await _give_back(svc, principal, charged)
+        raise
+    if result.verdict != "accepted":
+        await _give_back(svc, principal, charged)
+        svc.recorder.count("rejected", cls, result.verdict)
+        raise refusal(result, state, sub)
+    svc.recorder.count("submitted", cls, info.name)
+    options_ = body.get("stream_options")
+    usage = isinstance(options_, dict) and options_.get("include_usage") is True
+    return Generation(record.task_id, str(body["model"]), kind, usage, int(time.time()))
+
+
+async def _give_back(svc: Services, principal: Principal, charged: int) -> None:
+    if charged:
+        opts = options(op="give", tenant=principal.tenant, n=charged)
+        await svc.store.scripts.run("tokens", opts)
+
+
+def error_of(record: dict[str, Any] | None) -> ApiError:
+    """The HTTP error for a generation that did not succeed: the server's own 4xx for
+    what it refused (a prompt past its context), 502 for its other failures, 504 for a
+    timeout, 503 (worth a retry) when the pool lost the task."""
+    if record is None:
+        message = "The task's record is gone."
+        return ApiError(503, "worker_lost", message, headers={"Retry-After": "1"})
+    error = record.get("error") or {}
+    code, message = str(error.get("code", "task_error")), str(error.get("message", "failed"))
+    status = error.get("status")
+    refused = isinstance(status, int) and 400 <= status < 500 and status != 429
+    if code == "backend_error" and refused:
+        assert isinstance(status, int)
+        return ApiError(400 if status == 422 else status, "invalid_request", message)
+    if code == "timeout":
+        return ApiError(504, "timeout", message)
+    if code in ("worker_lost", "canceled"):
+        return ApiError(503, code, message, headers={"Retry-After": "1"})
+    return ApiError(502, code, message)
+
+
+async def first_entry(svc: Services, gen: Generation, scope: str | None) -> tuple[bytes, list[Any]]:
+    """Wait for the stream's first entries (or the task's end without any: the error it
+    ended with is raised, so the client gets a real status rather than a broken 200)."""
+    last = b"0-0"
+    while True:
+        entries = await _read(svc, gen.task_id, last)
+        if entries and entries[0][1][b"k"] == StreamEntry.ERROR.encode():
+            raise error_of({"error": orjson.loads(entries[0][1][b"d"])})
+        if entries:
+            return entries[-1][0], entries
+        record = await svc.store.get(gen.task_id, scope)
+        if record is None or record["status"] in FINAL:
+            entries = await _read(svc, gen.task_id, last, block=False)
+            if entries:
+                return entries[-1][0], entries
+            raise error_of(record)
+
+
+async def _read(svc: Services, task_id: str, last: bytes, block: bool = True) -> list[Any]:
+    key = keys.stream(task_id)
+    wait_ms = _READ_BLOCK_MS if block else None
+    reply: Any = await svc.client.xread({key: last}, count=_READ_COUNT, block=wait_ms)
+    entries: list[Any] = reply[0][1] if reply else []  # RESP2: [[key, [(id, fields)]]]
+    return entries
+
+
+async def read_stream(
+    svc: Services, gen: Generation, scope: str | None, first: tuple[bytes, list[Any]]
+) -> AsyncIterator[bytes]:
+    """The SSE body: each chunk as the server sent it, then ``data: [DONE]``; an error
+    entry (or the task ending without its stream) as an ``error`` event."""
+    last, entries = first
+    relay = _Relay(gen)
+    while True:
+        for _, fields in entries:
+            part, over = relay.event(fields[b"k"].decode(), fields[b"d"])
+            if part:
+                yield part
+            if over:
+                return
+        entries = await _read(svc, gen.task_id, last)
+        if entries:
+            last = entries[-1][0]
+            continue
+        record = await svc.store.get(gen.task_id, scope)
+        failed = record is None or (
+            record["status"] in FINAL and record["status"] != TaskStatus.SUCCEEDED
+        )
+        if failed:
+            entries = await _read(svc, gen.task_id, last, block=False)
+            if not entries:  # ended without writing its end: say so, never hang
+                error = error_of(record)
+                yield _sse({"error": _stream_error({"code": error.code, "message": error.message})})
+                return
+            last = entries[-1][0]
+
+
+def _sse(value: Any) -> bytes:
+    return b"data: " + orjson.dumps(value) + b"\n\n"
+
+
+class _Relay:
+    """Turns stream entries into SSE events for one client."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.usage_sent = False
+
+    def event(self, kind: str, data: bytes) -> tuple[bytes, bool]:
+        """The event for one entry (b"": none) and whether the stream is over."""
+        if kind == StreamEntry.CHUNK:
+            chunk = orjson.loads(data)
+            if chunk.get("usage"):
+                if self.gen.include_usage:
+                    self.usage_sent = True
+                elif not chunk.get("choices"):
+                    return b"", False  # the usage chunk gpulane asked for, not the client
+                else:
+                    chunk.pop("usage", None)
+                data = orjson.dumps(chunk)
+            return b"data: " + data + b"\n\n", False
+        if kind == StreamEntry.END:
+            end = orjson.loads(data)
+            out = b""
+            if self.gen.include_usage and not self.usage_sent:
+                out = _sse(_usage_chunk(self.gen, end.get("usage")))
+            return out + b"data: [DONE]\n\n", True
+        return _sse({"error": _stream_error(orjson.loads(data))}), True
+
+
+def answer_bytes(record: dict[str, Any]) -> bytes:
+    """A whole generation's answer: the server's JSON, as its task's result holds it."""
+    return orjson.dumps(record["result"])
+
+
+def _usage_chunk(gen: Generation, usage: Any) -> dict[str, Any]:
+    """The last chunk OpenAI sends with ``include_usage``, for a server that sent none
+    (its completion tokens counted by the worker, its prompt estimated)."""
+    obj = "chat.completion.chunk" if gen.kind is Kind.CHAT else "text_completion"
+    return {
+        "id": f"gpulane-{gen.task_id}",
+        "object": obj,
+        "created": gen.created,
+        "model": gen.model,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+def _stream_error(error: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "message": str(error.get("message", "The stream failed.")),
+        "type": "server_error",
+        "param": None,
+        "code": str(error.get("code", "backend_error")),
+    }
