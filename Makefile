@@ -25,12 +25,14 @@ test: $(VENV)/.dev-deps ## the default suite, a few minutes on 2 cores
 	@scripts/ensure-redis.sh
 	@scripts/ensure-test-tools.sh
 	@scripts/llama-venv.sh
+	@scripts/infinity-venv.sh
 	GPULANE_REQUIRE_MODELS=1 $(BIN)/pytest
 
 test-slow: $(VENV)/.dev-deps ## the slow fault tests (chaos); CI runs them too
 	@scripts/ensure-redis.sh
 	@scripts/ensure-test-tools.sh
 	@scripts/llama-venv.sh
+	@scripts/infinity-venv.sh
 	$(BIN)/pytest -m slow
 
 screenshot: $(VENV)/.dev-deps ## regenerate docs/dashboard.png from the dashboard test

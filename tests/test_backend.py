@@ -17,13 +17,15 @@ import httpx
 import openai
 import pytest
 import redis
+from conftest import FAST, make_settings, submit, wait_status
+from playwright.sync_api import sync_playwright
+from support.observe import CHROMIUM, CHROMIUM_ARGS
 
 from dispatcher.contract import keys
 from dispatcher.contract.generation import type_of_model
 from dispatcher.contract.settings import Settings, TenantConfig
 from testkit import ApiServer, WorkerProcess, wait_for, worker_env
-from testkit.llama import MODEL_ID, LlamaServer, write_tiny_gguf
-from tests.conftest import FAST, make_settings, submit, wait_status
+from testkit.llama import INFINITY_MODEL, MODEL_ID, InfinityServer, LlamaServer, write_tiny_gguf
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 # Random weights may end a generation at its first token; never </s> (id 2) makes the
@@ -413,3 +415,41 @@ def test_tokens_and_backend_in_metrics_stats_and_workers(
     )
     assert worker["backend"]["slots"] == 3 and worker["backend"]["url"] == server.url
     assert worker["task_types"] == [BACKEND_TYPE]
+    # The dashboard: the tokens per tenant and model, the worker's server and slots.
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.goto(api.url)
+        page.wait_for_selector("#tokens-panel:not([hidden])", timeout=15_000)
+        tokens = page.inner_text("#token-rows")
+        assert "tiny-llama" in tokens and "15" in tokens, tokens
+        page.wait_for_function(
+            "document.querySelector('#worker-rows').innerText.includes('slots')", timeout=15_000
+        )
+        row = page.inner_text("#worker-rows")
+        assert f"backend · {server.url}" in row and "0 / 3 slots" in row, row
+        browser.close()
+
+
+def test_embeddings_served_by_infinity(
+    tmp_path: Path, backend_worker: Callable[..., WorkerProcess], api: ApiServer
+) -> None:
+    """/v1/embeddings by an embedding server behind a backend worker: the same vectors
+    as the server gives directly."""
+    server = InfinityServer(tmp_path / "infinity.log").start()
+    try:
+        backend_worker(server.url, "b-infinity")
+        texts = ["a GPU job dispatcher", "least-busy by construction"]
+        answer = sdk(api).embeddings.create(
+            model=INFINITY_MODEL, input=texts, encoding_format="float"
+        )
+        direct = httpx.post(
+            server.url + "/v1/embeddings", json={"model": INFINITY_MODEL, "input": texts}
+        ).json()
+        assert [d.index for d in answer.data] == [0, 1]
+        assert len(answer.data[0].embedding) == 384
+        for got, want in zip(answer.data, direct["data"], strict=True):
+            assert got.embedding == pytest.approx(want["embedding"], abs=1e-6)
+        assert answer.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+    finally:
+        server.stop()

@@ -17,4 +17,5 @@ SCENARIOS = (
     "fair",
     "batched",
     "embed_api",
+    "generate",
 )

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import orjson
 from redis.exceptions import RedisError
+from starlette.types import Receive
 
 from dispatcher.api.auth import Principal
 from dispatcher.api.catalog import TaskTypeInfo
@@ -27,6 +28,7 @@ from dispatcher.api.deps import Services
 from dispatcher.api.errors import ApiError
 from dispatcher.api.refusals import refusal
 from dispatcher.api.store import Record, Submission
+from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract import keys
 from dispatcher.contract.generation import Kind, StreamEntry, estimate_tokens
 from dispatcher.contract.jobs import FINAL, TaskStatus, encode_call
@@ -36,15 +38,18 @@ from dispatcher.contract.workers import NOT_SERVING
 __all__ = [
     "CLASS_HEADER",
     "Generation",
-    "answer_bytes",
     "backend_model",
+    "cancel",
     "error_of",
     "first_entry",
     "read_stream",
     "submit",
+    "until",
+    "whole",
 ]
 
 CLASS_HEADER = "x-gpulane-class"
+T = TypeVar("T")
 _READ_BLOCK_MS = 1000  # an XREAD waits this long before the record is looked at
 _READ_COUNT = 512
 
@@ -138,10 +143,11 @@ async def submit(
     info: TaskTypeInfo,
     kind: Kind,
     body: dict[str, Any],
-    class_header: str | None,
+    cls_asked: str | None,
 ) -> Generation:
-    """Admit the request as one task of the model's type, or raise its refusal."""
-    cls = _class_of(svc, principal, class_header)
+    """Admit the request as one task of the model's type (in class ``cls_asked``, else
+    the tenant's or the settings' generation class), or raise its refusal."""
+    cls = _class_of(svc, principal, cls_asked)
     stream = bool(body.get("stream"))
     args = {"kind": kind.value, "body": body, "stream": stream}
     timeout_s = svc.settings.generation_timeout_s
@@ -183,6 +189,44 @@ async def _give_back(svc: Services, principal: Principal, charged: int) -> None:
     if charged:
         opts = options(op="give", tenant=principal.tenant, n=charged)
         await svc.store.scripts.run("tokens", opts)
+
+
+async def until(svc: Services, receive: Receive, task_id: str, work: Awaitable[T]) -> T:
+    """``work``'s result; a client that leaves first cancels the task (499)."""
+    try:
+        result = await unless_disconnected(receive, work)
+    except RedisError:
+        await cancel(svc, task_id)
+        raise
+    if result is None:
+        await cancel(svc, task_id)
+        raise ApiError(499, "client_closed", "The client closed the request.")
+    return result
+
+
+async def cancel(svc: Services, task_id: str) -> None:
+    """Best effort: a generation nobody will read (its timeout bounds it otherwise)."""
+    try:
+        result = await svc.store.cancel(task_id, None)
+    except RedisError:
+        return
+    if result.verdict == "canceled":
+        svc.recorder.count("finished", result.cls, result.task_type, "canceled")
+
+
+async def whole(svc: Services, receive: Receive, gen: Generation, scope: str | None) -> bytes:
+    """A generation's whole answer (the server's JSON), once its task ended well; its
+    error otherwise (504 when it did not end in time, the task canceled)."""
+    timeout_s = svc.settings.generation_timeout_s + svc.settings.wait_max_s
+    record = await until(
+        svc, receive, gen.task_id, svc.waiters.until_final(gen.task_id, scope, timeout_s)
+    )
+    if record is None or record["status"] not in FINAL:
+        await cancel(svc, gen.task_id)
+        raise ApiError(504, "timeout", "The generation did not finish in time.")
+    if record["status"] != TaskStatus.SUCCEEDED:
+        raise error_of(record)
+    return orjson.dumps(record["result"])
 
 
 def error_of(record: dict[str, Any] | None) -> ApiError:
@@ -294,11 +338,6 @@ class _Relay:
                 out = _sse(_usage_chunk(self.gen, end.get("usage")))
             return out + b"data: [DONE]\n\n", True
         return _sse({"error": _stream_error(orjson.loads(data))}), True
-
-
-def answer_bytes(record: dict[str, Any]) -> bytes:
-    """A whole generation's answer: the server's JSON, as its task's result holds it."""
-    return orjson.dumps(record["result"])
 
 
 def _usage_chunk(gen: Generation, usage: Any) -> dict[str, Any]:

@@ -22,9 +22,7 @@ from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.openai_shape import invalid, openai_error, responses
 from dispatcher.api.submission import check_value, limited_body
-from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.generation import BACKEND_PREFIX, Kind
-from dispatcher.contract.jobs import FINAL, TaskStatus
 from dispatcher.contract.strict_json import loads_strict
 
 __all__ = ["router", "stream_router"]
@@ -90,34 +88,17 @@ async def _generate(request: Request, kind: Kind, shape: type[_Request]) -> Resp
     )
     headers = {**extra_headers(request), "Gpulane-Task-Id": gen.task_id}
     scope = principal.task_scope
-    if body.get("stream"):
-        first = await _until(request, svc, gen, generation.first_entry(svc, gen, scope))
-        return StreamingResponse(
-            _relay(svc, gen, scope, first),
-            media_type="text/event-stream",
-            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    timeout_s = svc.settings.generation_timeout_s + svc.settings.wait_max_s
-    record = await _until(request, svc, gen, svc.waiters.until_final(gen.task_id, scope, timeout_s))
-    if record is None or record["status"] not in FINAL:
-        await _cancel(svc, gen.task_id, scope)
-        raise ApiError(504, "timeout", "The generation did not finish in time.")
-    if record["status"] != TaskStatus.SUCCEEDED:
-        raise generation.error_of(record)
-    return Response(generation.answer_bytes(record), media_type="application/json", headers=headers)
-
-
-async def _until(request: Request, svc: Services, gen: generation.Generation, work: Any) -> Any:
-    """``work``'s result; a client that leaves first cancels the task (499)."""
-    try:
-        result = await unless_disconnected(request.receive, work)
-    except RedisError:
-        await _cancel(svc, gen.task_id, None)
-        raise
-    if result is None:
-        await _cancel(svc, gen.task_id, None)
-        raise ApiError(499, "client_closed", "The client closed the request.")
-    return result
+    if not body.get("stream"):
+        answer = await generation.whole(svc, request.receive, gen, scope)
+        return Response(answer, media_type="application/json", headers=headers)
+    first = await generation.until(
+        svc, request.receive, gen.task_id, generation.first_entry(svc, gen, scope)
+    )
+    return StreamingResponse(
+        _relay(svc, gen, scope, first),
+        media_type="text/event-stream",
+        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def _relay(svc: Services, gen: generation.Generation, scope: str | None, first: Any) -> Any:
@@ -133,16 +114,7 @@ async def _relay(svc: Services, gen: generation.Generation, scope: str | None, f
             # The response is being cancelled (the client left): shielded, or this
             # await would be cancelled with it and the task run on for nobody.
             with anyio.CancelScope(shield=True):
-                await _cancel(svc, gen.task_id, None)
-
-
-async def _cancel(svc: Services, task_id: str, scope: str | None) -> None:
-    try:
-        result = await svc.store.cancel(task_id, scope)
-    except RedisError:
-        return  # best effort: the task's timeout bounds it
-    if result.verdict == "canceled":
-        svc.recorder.count("finished", result.cls, result.task_type, "canceled")
+                await generation.cancel(svc, gen.task_id)
 
 
 async def _in_openai_shape(request: Request, work: Awaitable[Response]) -> Response:
@@ -205,7 +177,9 @@ async def _task_stream(request: Request, task_id: str) -> Response:
     if record is None or not str(record.get("type", "")).startswith(BACKEND_PREFIX):
         raise ApiError(404, "not_found", f"No generation {task_id[:100]!r}.")
     gen = generation.Generation(task_id, "", Kind.CHAT, True, 0)
-    first = await _until(request, svc, gen, generation.first_entry(svc, gen, scope))
+    first = await generation.until(
+        svc, request.receive, task_id, generation.first_entry(svc, gen, scope)
+    )
     return StreamingResponse(
         generation.read_stream(svc, gen, scope, first),
         media_type="text/event-stream",

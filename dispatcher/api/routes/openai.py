@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+from dispatcher.api import generation
 from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import Packer, fits_ever
 from dispatcher.api.deps import Services, caller, extra_headers, services
@@ -36,6 +37,7 @@ from dispatcher.api.refusals import refusal
 from dispatcher.api.store import Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
+from dispatcher.contract.generation import Kind
 from dispatcher.contract.jobs import FINAL, TaskStatus, chunk_item
 from dispatcher.contract.strict_json import loads_strict
 
@@ -274,6 +276,14 @@ async def _embeddings(request: Request) -> Response:
     if model not in models:
         name = str(model)[:100]
         raise ApiError(404, "model_not_found", f"The model {name!r} does not exist.")
+    info = await svc.catalog.lookup(models[model])
+    if info is not None and info.backend:  # an embedding server behind a backend worker
+        gen = await generation.submit(
+            svc, principal, info, Kind.EMBEDDINGS, body, svc.settings.openai_task_class
+        )
+        relayed = await generation.whole(svc, request.receive, gen, principal.task_scope)
+        headers = {**extra_headers(request), "Gpulane-Task-Id": gen.task_id}
+        return Response(relayed, media_type="application/json", headers=headers)
     texts = _inputs(body, svc.settings.openai_max_input_chars)
     dimensions = body.get("dimensions")
     if dimensions is not None and (

@@ -94,6 +94,7 @@ async function poll() {
     renderChart();
     renderClasses(queues, stats);
     renderWorkers(workers);
+    renderTokens(stats.tokens || {});
     setConnection("live", "live");
     $("updated").textContent = `· ${new Date().toLocaleTimeString()}`;
   } catch (error) {
@@ -327,6 +328,14 @@ function cell(label, ...content) {
 
 // A cpu worker (no GPU: invariant 6) says so instead of showing empty bars.
 function deviceCells(w) {
+  if (w.backend) { // fronts an inference server: its slots are its utilization
+    const b = w.backend;
+    return [
+      el("span", { class: "device backend", text: `backend · ${b.url}`, title: (b.models || []).join(", ") }),
+      meter(`${w.name} slots in use`, b.slots ? b.busy / b.slots : null, `${b.busy} / ${b.slots} slots`),
+      muted("n/a (backend)"),
+    ];
+  }
   if (!w.device) { // registered, still choosing or waiting for a GPU
     return [muted("none yet"), muted("–"), muted("–")];
   }
@@ -431,6 +440,23 @@ function renderWorkers(workers) {
   $("worker-rows").replaceChildren(...list.map(workerRow));
   note.hidden = list.length > 0;
   note.textContent = "No live worker. Start one with `gpulane worker` (or `gpulane up`).";
+}
+
+// Model tokens of generations through backend workers, per tenant and model.
+function renderTokens(tokens) {
+  const rows = [];
+  for (const [tenant, models] of Object.entries(tokens).sort()) {
+    for (const [model, n] of Object.entries(models).sort()) {
+      rows.push(el("tr", {},
+        el("th", { scope: "row", text: tenant }),
+        cell("Model", el("code", { text: model })),
+        el("td", { class: "num", "data-label": "Prompt", text: n.prompt.toLocaleString() }),
+        el("td", { class: "num", "data-label": "Completion", text: n.completion.toLocaleString() }),
+      ));
+    }
+  }
+  $("tokens-panel").hidden = rows.length === 0;
+  $("token-rows").replaceChildren(...rows);
 }
 
 // ---- start ----
