@@ -9,6 +9,7 @@ text is noise; serving, streaming, usage and failures are the server's own."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,9 @@ def backend_worker(redis_url: str) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
     client = redis.Redis.from_url(redis_url)
 
-    def start(url: str, name: str, *args: str, wait: bool = True) -> WorkerProcess:
-        proc = WorkerProcess(name, worker_env(redis_url, **FAST), ["--backend", url, *args])
+    def start(url: str, name: str, *args: str, wait: bool = True, **settings: Any) -> WorkerProcess:
+        env = worker_env(redis_url, **{**FAST, **settings})
+        proc = WorkerProcess(name, env, ["--backend", url, *args])
         started.append(proc)
         if wait:
             wait_for(
@@ -453,3 +455,42 @@ def test_embeddings_served_by_infinity(
         assert answer.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
     finally:
         server.stop()
+
+
+def test_a_stopped_worker_ends_its_streams_explicitly(
+    llama: Callable[..., LlamaServer],
+    backend_worker: Callable[..., WorkerProcess],
+    api: ApiServer,
+    r: redis.Redis,
+) -> None:
+    """SIGTERM: no more claims; a stream still running past the grace period ends with
+    an error event (the client is told, never left hanging) and the worker exits 0."""
+    worker = backend_worker(llama("slow", n_ctx=2048).url, "b-stop", shutdown_grace_s=0.5)
+    stream = sdk(api).chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=1800, logit_bias=NO_EOS, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)  # streaming
+    worker.process.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="worker stopped"):
+        for _chunk in chunks:
+            pass
+    assert worker.process.wait(15) == 0
+    task_id = stream.response.headers["gpulane-task-id"]
+    assert r.hget(keys.job(task_id), "status") == b"failed"
+
+
+def test_max_tokens_past_a_known_context_is_refused_before_queueing(
+    r: redis.Redis, api: ApiServer
+) -> None:
+    """A server that states its context (vLLM's max_model_len, llama.cpp's /props) has it
+    in the catalog; a max_tokens past it is a 400 at once, nothing queued."""
+    import json
+
+    from dispatcher.contract.generation import catalog_entry
+
+    r.hset(keys.CATALOG, type_of_model("ctx-model"), json.dumps(catalog_entry("ctx-model", 128)))
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(api).chat.completions.create(model="ctx-model", messages=MESSAGES, max_tokens=500)
+    assert refused.value.param == "max_tokens" and "128" in str(refused.value)
+    assert r.llen(keys.queue("interactive")) == 0

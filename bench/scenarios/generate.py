@@ -40,6 +40,8 @@ from testkit.llama import LLAMA_PYTHON, MODEL_ID, LlamaServer, write_tiny_gguf
 
 LITELLM = REPO / ".venv-litellm" / "bin" / "litellm"
 NO_EOS = {"2": -100}
+KEY = "sk-gpulane-bench"  # LiteLLM's master key; gpulane (open) and the servers ignore it
+HEADERS = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
@@ -108,6 +110,7 @@ def litellm(strategy: str, *backends: str) -> Iterator[str]:
     )
     port = free_port()
     env = {**os.environ, "LITELLM_TELEMETRY": "False", "LITELLM_LOG": "ERROR"}
+    env["LITELLM_MASTER_KEY"] = KEY
     with (folder / "log").open("wb") as log:
         argv = [str(LITELLM), "--config", str(config), "--port", str(port), "--host", "127.0.0.1"]
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -147,7 +150,7 @@ async def _stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[flo
 
 
 async def overhead(url: str, size: Size) -> tuple[list[float], list[float]]:
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=HEADERS) as client:
         await _stream(client, url, 4)  # warm
         ttft, rates = [], []
         for _ in range(size.streams):
@@ -182,7 +185,7 @@ async def load(url: str, size: Size, kill: LlamaServer | None = None) -> tuple[l
             else:
                 failed += 1
 
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=HEADERS) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(8)))
     return done, failed
 

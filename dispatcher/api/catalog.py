@@ -57,6 +57,7 @@ class TaskTypeInfo:
     gpu_memory_mb: int = 0  # GPU memory a task of the type needs (its @task declaration)
     batch_size: int = 0  # a batched type's Batch.max_size; 0: not batched
     backend: bool = False  # a backend model's type, routed to its backend workers
+    context_length: int | None = None  # a backend model's context, when its server says
 
     def chunk_size(self, settings: Settings) -> int:
         """Items one record of a request holds: a batched type's batch size (its
@@ -81,9 +82,11 @@ def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-def _whole_mb(value: Any) -> int:
+def _whole(entry: dict[str, Any], name: str) -> int:
+    """An entry's whole-number field (absent: 0), or ValueError."""
+    value = entry.get(name) or 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"gpu_memory_mb must be a whole number of MB, 0 or more; got {value!r}")
+        raise ValueError(f"{name} must be a whole number, 0 or more; got {value!r}")
     return value
 
 
@@ -92,8 +95,9 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         entry = json.loads(raw)
         schema = entry["schema"]
         Draft202012Validator.check_schema(schema)
-        gpu_memory_mb = _whole_mb(entry.get("gpu_memory_mb") or 0)
-        batch_size = _whole_mb(entry.get("batch_max_size") or 0)
+        gpu_memory_mb = _whole(entry, "gpu_memory_mb")
+        batch_size = _whole(entry, "batch_max_size")
+        context_length = _whole(entry, "context_length") or None
     except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as exc:
         log.warning("ignoring malformed catalog entry %r: %s", name, exc)
         return None
@@ -106,6 +110,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         gpu_memory_mb=gpu_memory_mb,
         batch_size=batch_size,
         backend=entry.get("backend") is True,
+        context_length=context_length,
     )
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "Generation",
     "backend_model",
     "cancel",
+    "check_context",
     "error_of",
     "first_entry",
     "read_stream",
@@ -86,6 +87,21 @@ async def backend_model(svc: Services, model: Any, kind: Kind) -> TaskTypeInfo:
             param="model",
         )
     return info
+
+
+def check_context(info: TaskTypeInfo, body: dict[str, Any]) -> None:
+    """A ``max_tokens`` past the model's context (when its server said it) is a 400:
+    no prompt would leave room for it."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        asked = body.get(name)
+        if info.context_length and isinstance(asked, int) and asked > info.context_length:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"'{name}' is {asked}; the model {info.model!r} has a context of "
+                f"{info.context_length} tokens.",
+                param=name,
+            )
 
 
 def _class_of(svc: Services, principal: Principal, header: str | None) -> str:
@@ -147,6 +163,7 @@ async def submit(
 ) -> Generation:
     """Admit the request as one task of the model's type (in class ``cls_asked``, else
     the tenant's or the settings' generation class), or raise its refusal."""
+    check_context(info, body)
     cls = _class_of(svc, principal, cls_asked)
     stream = bool(body.get("stream"))
     args = {"kind": kind.value, "body": body, "stream": stream}
@@ -284,12 +301,17 @@ async def read_stream(
     last, entries = first
     relay = _Relay(gen)
     while True:
+        parts = []
+        over = False
         for _, fields in entries:
             part, over = relay.event(fields[b"k"].decode(), fields[b"d"])
-            if part:
-                yield part
+            parts.append(part)
             if over:
-                return
+                break
+        if parts:  # what one read brought goes out in one write
+            yield b"".join(parts)
+        if over:
+            return
         entries = await _read(svc, gen.task_id, last)
         if entries:
             last = entries[-1][0]

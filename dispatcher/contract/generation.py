@@ -66,15 +66,20 @@ def type_of_model(model: str) -> str:
     return f"{BACKEND_PREFIX}{slug}_{digest}"
 
 
-def catalog_entry(model: str) -> dict[str, Any]:
-    """The catalog entry a backend worker publishes for one of its server's models."""
-    return {
+def catalog_entry(model: str, context_length: int | None = None) -> dict[str, Any]:
+    """The catalog entry a backend worker publishes for one of its server's models;
+    ``context_length`` when the server says it (the API refuses a ``max_tokens`` past
+    it)."""
+    entry: dict[str, Any] = {
         "description": f"Model {model!r} on an OpenAI-compatible inference server.",
         "schema": ARGS_SCHEMA,
         "file": "none",
         "model": model,
         "backend": True,
     }
+    if context_length:
+        entry["context_length"] = context_length
+    return entry
 
 
 def _text_of(value: Any) -> int:

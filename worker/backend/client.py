@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 
 __all__ = ["PATHS", "Backend", "BackendDown", "BackendError"]
 
@@ -75,14 +76,20 @@ class Backend:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def models(self) -> list[str]:
-        """The model ids the server lists on ``GET /v1/models``."""
+    async def models(self) -> dict[str, int | None]:
+        """The model ids the server lists on ``GET /v1/models``, each with its context
+        length when the server says (vLLM's ``max_model_len``)."""
         body = await self._get_json("/v1/models", self._probe_timeout)
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise BackendError(200, "GET /v1/models did not answer {'data': [...]}.")
-        ids = [m.get("id") for m in data if isinstance(m, dict)]
-        return [i for i in ids if isinstance(i, str) and i]
+        out: dict[str, int | None] = {}
+        for m in data:
+            model_id = m.get("id") if isinstance(m, dict) else None
+            if isinstance(model_id, str) and model_id:
+                context = m.get("max_model_len")
+                out[model_id] = context if isinstance(context, int) and context > 0 else None
+        return out
 
     async def probe(self) -> str | None:
         """None when the server answers; else why not. ``GET /health`` (vLLM, TGI,
@@ -116,10 +123,12 @@ class Backend:
             raise _detail(response.status_code, f"not a JSON object: {response.text}")
         return answer
 
-    async def stream(self, kind: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The answer's SSE chunks as JSON objects, until ``data: [DONE]`` (or the end
-        of the body). Closing the iterator closes the connection, which is how a
-        server learns that its client left and stops generating."""
+    async def stream(
+        self, kind: str, body: dict[str, Any]
+    ) -> AsyncIterator[tuple[dict[str, Any], bytes]]:
+        """The answer's SSE chunks, each as a JSON object and as the server wrote it,
+        until ``data: [DONE]``. Closing the iterator closes the connection, which is
+        how a server learns that its client left and stops generating."""
         try:
             async with self._client.stream("POST", PATHS[kind], json=body) as response:
                 if response.status_code >= 400:
@@ -127,12 +136,12 @@ class Backend:
                         response.status_code, (await response.aread()).decode("utf-8", "replace")
                     )
                 async for line in response.aiter_lines():
-                    chunk = _event(line)
-                    if chunk is None:
+                    event = _event(line)
+                    if event is None:
                         continue
-                    if chunk is _DONE:
+                    if event is _DONE:
                         return
-                    yield chunk
+                    yield event
         except httpx.HTTPError as exc:
             raise BackendDown(f"{type(exc).__name__}: {exc}") from exc
         # Every OpenAI-compatible server ends a whole stream with [DONE]: one that
@@ -153,20 +162,22 @@ class Backend:
             raise _detail(response.status_code, f"not JSON: {response.text}") from None
 
 
-_DONE: dict[str, Any] = {}
+_DONE: tuple[dict[str, Any], bytes] = ({}, b"")  # the end marker, compared by identity
 
 
-def _event(line: str) -> dict[str, Any] | None:
-    """One SSE line: a chunk, ``_DONE``, or None (a comment, a blank line, another
-    field). A ``data:`` line that is not a JSON object is the backend's garbage."""
+def _event(line: str) -> tuple[dict[str, Any], bytes] | None:
+    """One SSE line: a chunk (parsed, and its JSON as sent), ``_DONE``, or None (a
+    comment, a blank line, another field). A ``data:`` line that is not a JSON object
+    is the backend's garbage."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
     if data == "[DONE]":
         return _DONE
+    raw = data.encode()
     try:
-        chunk = json.loads(data)
-    except ValueError:
+        chunk = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         raise BackendError(
             200, f"The backend streamed a chunk that is not JSON: {data[:200]}"
         ) from None
@@ -176,4 +187,4 @@ def _event(line: str) -> dict[str, Any] | None:
         raise BackendError(
             200, f"The backend reported an error mid-stream: {data[:_MAX_ERROR_CHARS]}"
         )
-    return chunk
+    return chunk, raw

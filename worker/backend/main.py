@@ -43,8 +43,11 @@ __all__ = ["run_backend_worker"]
 log = logging.getLogger("gpulane.worker")
 
 
-async def _wait_for_models(backend: Backend, state: WorkerState, interval_s: float) -> list[str]:
-    """The server's model ids, once it lists at least one (empty: stopped first)."""
+async def _wait_for_models(
+    backend: Backend, state: WorkerState, interval_s: float
+) -> dict[str, int | None]:
+    """The server's models (id -> context length, when it says), once it lists at
+    least one (empty: stopped first)."""
     said = ""
     while not state.stopping:
         try:
@@ -61,18 +64,28 @@ async def _wait_for_models(backend: Backend, state: WorkerState, interval_s: flo
             said = why
         state.set("starting", f"waiting for backend {backend.url}: {why}"[:300])
         await asyncio.sleep(interval_s)
-    return []
+    return {}
 
 
-async def _server_slots(url: str) -> int | None:
-    """llama.cpp's server says how many sequences it runs at once (``/props``)."""
+async def _server_props(url: str) -> tuple[int | None, int | None]:
+    """What llama.cpp's server says of itself (``/props``): how many sequences it runs
+    at once, and each one's context; (None, None) from a server that does not say."""
     try:
         async with httpx.AsyncClient(timeout=2.0) as client:
             props = (await client.get(url.rstrip("/") + "/props")).json()
     except (httpx.HTTPError, ValueError):
-        return None
-    slots = props.get("total_slots") if isinstance(props, dict) else None
-    return slots if isinstance(slots, int) and slots > 0 else None
+        return None, None
+    if not isinstance(props, dict):
+        return None, None
+    settings = props.get("default_generation_settings")
+    slots, n_ctx = (
+        props.get("total_slots"),
+        settings.get("n_ctx") if isinstance(settings, dict) else None,
+    )
+    return (
+        slots if isinstance(slots, int) and slots > 0 else None,
+        n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None,
+    )
 
 
 class _Backend:
@@ -103,14 +116,20 @@ class _Backend:
         )
         if not models:
             return
-        slots = slots or await _server_slots(self.backend.url) or self.settings.backend_slots
+        server_slots, n_ctx = await _server_props(self.backend.url)
+        slots = slots or server_slots or self.settings.backend_slots
         types = {type_of_model(m): m for m in models}
         self.broker.types = sorted(types)
         self.loop.slots = slots
         self.state.task_types = sorted(types)
         self.state.parks = sorted(types)
-        self.state.backend = {"url": self.backend.url, "slots": slots, "busy": 0, "models": models}
-        catalog = {t: catalog_entry(m) for t, m in types.items()}
+        self.state.backend = {
+            "url": self.backend.url,
+            "slots": slots,
+            "busy": 0,
+            "models": sorted(models),
+        }
+        catalog = {t: catalog_entry(m, models[m] or n_ctx) for t, m in types.items()}
         # Published with the catalog while still `starting`, then idle: nobody may see
         # the worker as capacity before its types are known.
         if not await asyncio.to_thread(self.register, catalog):
@@ -121,7 +140,7 @@ class _Backend:
         log.info(
             "backend worker ready: %s, models %s, %d slots, classes %s",
             self.backend.url,
-            models,
+            sorted(models),
             slots,
             self.state.classes,
             extra={"worker": self.state.name},

@@ -135,7 +135,7 @@ class Relay:
         pieces = 0
         reported: dict[str, Any] | None = None
         finish: Any = None
-        async for chunk in self.backend.stream(args.kind, body):
+        async for chunk, raw in self.backend.stream(args.kind, body):
             now = time.monotonic()
             if pieces == 0 and _has_text(chunk):
                 self.recorder.observe("ttft", now - self.started, self.label)
@@ -147,7 +147,7 @@ class Relay:
             if isinstance(chunk.get("usage"), dict):
                 reported = chunk["usage"]
             finish = _finish_reason(chunk) or finish
-            await self.writer.put(StreamEntry.CHUNK, chunk)
+            await self.writer.put_raw(StreamEntry.CHUNK, raw)  # as the server wrote it
             self.sent += 1
         if reported is not None:
             self.usage = Usage(

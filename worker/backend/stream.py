@@ -41,9 +41,13 @@ class StreamWriter:
         self._task: asyncio.Task[None] | None = None
 
     async def put(self, kind: StreamEntry, data: dict[str, Any]) -> None:
+        await self.put_raw(kind, orjson.dumps(data))
+
+    async def put_raw(self, kind: StreamEntry, data: bytes) -> None:
+        """Queue an entry whose JSON is already written (a chunk as the server sent it)."""
         if self._fenced:
             raise Fenced()
-        self._queue.append((kind.value, orjson.dumps(data)))
+        self._queue.append((kind.value, data))
         self._idle.clear()
         self._more.set()
         if self._task is None:
