@@ -33,7 +33,6 @@ from dispatcher.contract import keys
 from dispatcher.contract.generation import Kind, StreamEntry, estimate_tokens
 from dispatcher.contract.jobs import FINAL, TaskStatus, encode_call
 from dispatcher.contract.scripts import options
-from dispatcher.contract.workers import NOT_SERVING
 
 __all__ = [
     "CLASS_HEADER",
@@ -144,15 +143,6 @@ async def _take_tokens(svc: Services, principal: Principal, n: int) -> int:
     )
 
 
-def _capacity(workers: list[dict[str, Any]], cls: str, task_type: str) -> int:
-    """Live backend workers of ``cls`` serving ``task_type``: what admission counts."""
-    return sum(
-        1
-        for w in workers
-        if w["state"] not in NOT_SERVING and cls in w["classes"] and task_type in w["task_types"]
-    )
-
-
 async def submit(
     svc: Services,
     principal: Principal,
@@ -178,12 +168,9 @@ async def submit(
         weight=principal.config.weight if principal.config else None,
         routed=True,
     )
-    snapshot = await svc.pool.cached()
-    workers = _capacity(snapshot.workers, cls, info.name)
-    if workers == 0:  # the cached snapshot may predate a backend that just came up
-        snapshot = await svc.pool.snapshot()
-        workers = _capacity(snapshot.workers, cls, info.name)
-    state = dataclasses.replace(snapshot.classes[cls], workers=workers, capacities=())
+    state = (await svc.pool.cached()).admitting(cls, info.name, True)
+    if state.workers == 0:  # the cached snapshot may predate a backend that just came up
+        state = (await svc.pool.snapshot()).admitting(cls, info.name, True)
     charge = _charge(kind, body, svc.settings.default_max_tokens)
     charged = await _take_tokens(svc, principal, charge)
     record = Record(info.name, encode_call(info.name, args), timeout_s, routed=True, tpm=charged)
@@ -343,6 +330,8 @@ class _Relay:
     def event(self, kind: str, data: bytes) -> tuple[bytes, bool]:
         """The event for one entry (b"": none) and whether the stream is over."""
         if kind == StreamEntry.CHUNK:
+            if b'"usage"' not in data:  # most chunks: passed on unparsed
+                return b"data: " + data + b"\n\n", False
             chunk = orjson.loads(data)
             if chunk.get("usage"):
                 if self.gen.include_usage:

@@ -4,6 +4,7 @@ workers, from two pipelined round trips. Serves ``GET /queues``, ``GET /workers`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,22 @@ class Snapshot:
     now_ms: int
     classes: dict[str, ClassState]
     workers: list[dict[str, Any]] = field(default_factory=list)
+
+    def admitting(self, cls: str, task_type: str, routed: bool) -> ClassState:
+        """The class as admission sees it for a task of ``task_type``: for a routed type
+        (a backend model's), only the live workers that serve that type are its
+        capacity; other types are served by the class's in-process workers."""
+        state = self.classes[cls]
+        if not routed:
+            return state
+        serving = sum(
+            1
+            for w in self.workers
+            if w["state"] not in NOT_SERVING
+            and cls in w["classes"]
+            and task_type in w["task_types"]
+        )
+        return dataclasses.replace(state, workers=serving, capacities=())
 
 
 def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:

@@ -68,6 +68,7 @@ class BackendLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down: str | None = None  # why the server is taken to be down
         self._probe_now = asyncio.Event()
+        self._changed = asyncio.Event()  # a slot freed, or the server's health changed
         self._backoff = Backoff()
         self._lock = threading.Lock()  # the heartbeat thread reads the runs
 
@@ -99,7 +100,11 @@ class BackendLoop:
         was_idle = True
         while not self.state.stopping:
             if self._down is not None or len(self._runs) >= self.slots:
-                await asyncio.sleep(0.05)  # a slot frees, the server comes back
+                # Until a slot frees or the server comes back (a stop is looked at
+                # each PARK_POLL_S): no polling delay between a run's end and a claim.
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), PARK_POLL_S)
                 continue
             claims = await self._claim(was_idle)
             if claims is None:
@@ -175,6 +180,7 @@ class BackendLoop:
         await asyncio.to_thread(self._report, claimed, outcome, relay)
         with self._lock:
             self._runs.pop(claimed.task_id, None)
+        self._changed.set()
         self._publish()
 
     def _report(self, claimed: Claimed, outcome: Outcome, relay: Relay) -> None:
@@ -238,6 +244,7 @@ class BackendLoop:
             elif problem is None and self._down is not None:
                 log.info("backend %s answers again; claiming", self.backend.url, extra=self._who)
                 self._down = None
+                self._changed.set()
                 self._publish()
 
     async def _went_down(self, problem: str) -> None:

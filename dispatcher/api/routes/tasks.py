@@ -143,12 +143,13 @@ async def _submit(
     svc: Services, sub: Submission, snap: Snapshot, records: list[Record]
 ) -> tuple[SubmitResult, ClassState]:
     """Admit ``records`` (one task's, or a bulk's) for ``sub``'s tenant in its class."""
-    state = snap.classes[sub.cls]
+    state = snap.admitting(sub.cls, sub.task_type, sub.routed)
     result = await svc.store.submit_records(sub, records, state)
     if result.verdict == "no_workers":
         # The cached snapshot may predate a worker that just registered (or one with a
         # bigger card): look again before refusing. Refusals only pay it.
-        state = (await svc.pool.snapshot()).classes[sub.cls]
+        fresh = await svc.pool.snapshot()
+        state = fresh.admitting(sub.cls, sub.task_type, sub.routed)
         result = await svc.store.submit_records(sub, records, state)
     return result, state
 
