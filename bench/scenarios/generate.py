@@ -221,7 +221,9 @@ def _run(size: Size, report: Report, folder: Path) -> None:
             for strategy in ("simple-shuffle", "least-busy"):
                 systems.append((f"LiteLLM {strategy}", partial(litellm, strategy, *urls)))
         else:
-            report.notes.append("LiteLLM is not installed (scripts/litellm-venv.sh): its rows are left out")
+            report.notes.append(
+                "LiteLLM is not installed (scripts/litellm-venv.sh): its rows are left out"
+            )
         rows: list[list[object]] = []
         fast = first_fast
         for killed in (False, True):

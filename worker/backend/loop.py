@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -71,6 +72,8 @@ class BackendLoop:
         self._changed = asyncio.Event()  # a slot freed, or the server's health changed
         self._backoff = Backoff()
         self._lock = threading.Lock()  # the heartbeat thread reads the runs
+        # Recorded on each task it starts, as an in-process worker records its device.
+        self._device = json.dumps({"kind": "backend", "url": backend.url})
 
     # RunControl, from the heartbeat thread.
     def cancel(self, task_id: str) -> None:
@@ -107,22 +110,30 @@ class BackendLoop:
                     await asyncio.wait_for(self._changed.wait(), PARK_POLL_S)
                 continue
             claims = await self._claim(was_idle)
-            if claims is None:
-                continue
+            if claims == []:  # nothing queued: parked until a doorbell's claim takes some
+                was_idle = True
+                claims = await self._park()
             if claims:
                 was_idle = False
                 for claimed in claims:
                     self._start(claimed)
-                continue
-            was_idle = True
-            await self._park()
 
-    async def _claim(self, was_idle: bool) -> list[Claimed] | None:
-        """What one claim took (empty: nothing queued, the worker is parked); None after
-        waiting out a refusal or an outage (``redeliver`` then asks for what a claim
-        whose reply was lost took)."""
+    def _claim_now(self, was_idle: bool, doorbell_s: float | None) -> list[Claimed] | None:
+        """(On a thread.) One claim; with ``doorbell_s``, only once the doorbell rang
+        within that long (None: it did not), in the same thread: a doorbell costs one
+        hop to a thread, not two."""
+        if doorbell_s is not None and not self.broker.wait_for_work(doorbell_s):
+            return None
+        return self.broker.claim(was_idle, self._device, self._redeliver)
+
+    async def _claim(self, was_idle: bool, doorbell_s: float | None = None) -> list[Claimed] | None:
+        """What one claim took (empty: nothing queued, the worker is parked); None when
+        the doorbell did not ring, or after waiting out a refusal or an outage
+        (``redeliver`` then asks for what a claim whose reply was lost took)."""
         try:
-            claims = await asyncio.to_thread(self.broker.claim, was_idle, "{}", self._redeliver)
+            claims = await asyncio.to_thread(self._claim_now, was_idle, doorbell_s)
+            if claims is None:
+                return None
         except REFUSED_FOR_NOW as exc:
             self.state.set(
                 self.state.state, f"{why_refused(exc)}; takes no task until it can write"
@@ -143,16 +154,16 @@ class BackendLoop:
 
     _redeliver = False
 
-    async def _park(self) -> None:
+    async def _park(self) -> list[Claimed] | None:
+        """Wait on the doorbell (a stop, the server going down or RECHECK_S end it);
+        what the claim it rang took, or None."""
         self._publish()
         deadline = time.monotonic() + RECHECK_S
         while not self.state.stopping and self._down is None and time.monotonic() < deadline:
-            try:
-                if await asyncio.to_thread(self.broker.wait_for_work, PARK_POLL_S):
-                    return
-            except RedisError:
-                await asyncio.sleep(self._backoff.next())
-                return
+            claims = await self._claim(True, PARK_POLL_S)
+            if claims is not None:
+                return claims
+        return None
 
     def _start(self, claimed: Claimed) -> None:
         writer = StreamWriter(
