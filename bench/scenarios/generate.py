@@ -33,7 +33,16 @@ import httpx
 import numpy as np
 
 from bench.harness import Stack
-from bench.report import Report, Table, Target, pct
+from bench.report import (
+    Report,
+    Table,
+    Target,
+    figure,
+    grouped_bars,
+    latency_cdf,
+    pct,
+    save,
+)
 from dispatcher.contract import keys
 from testkit import CLI, REPO, free_port, http_ok, wait_for
 from testkit.llama import LLAMA_PYTHON, MODEL_ID, LlamaServer, write_tiny_gguf
@@ -51,10 +60,11 @@ class Size:
     stream_tokens: int
     requests: int  # (b) whole completions per run
     tokens: int
+    peers: bool = True  # smoke (in the test suite) proves gpulane's path alone
 
 
 SIZES = {
-    "smoke": Size(5, 16, 16, 8),
+    "smoke": Size(5, 16, 16, 8, peers=False),
     "quick": Size(60, 64, 160, 24),
     "full": Size(200, 128, 400, 32),
 }
@@ -199,28 +209,36 @@ def run(size_name: str, outdir: Path) -> Report:
         return report
     folder = Path(tempfile.mkdtemp(prefix="gen-bench-"))
     try:
-        _run(size, report, folder)
+        ttft, cdfs = _run(size, report, folder)
+        report.charts.append(_chart(ttft, cdfs, outdir))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     report.write(outdir)
     return report
 
 
-def _run(size: Size, report: Report, folder: Path) -> None:
+Ttft = dict[str, tuple[float, float]]  # server -> (straight, through gpulane) p50 ms
+Cdfs = dict[str, list[float]]  # system -> latencies (s), both servers up
+
+
+def _run(size: Size, report: Report, folder: Path) -> tuple[Ttft, Cdfs]:
+    ttft: Ttft = {}
+    cdfs: Cdfs = {}
     with servers(folder) as (first_fast, slow):
         for server, label in ((first_fast, "fast"), (slow, "slow")):
             straight = asyncio.run(overhead(f"{server.url}/v1", size))
             with gpulane(server.url) as url:
                 through = asyncio.run(overhead(url, size))
             _overhead_rows(report, straight, through, label)
+            ttft[label] = (pct(straight[0], 50) * 1e3, pct(through[0], 50) * 1e3)
         urls = (first_fast.url, slow.url)  # a restarted fast server keeps its port
         systems: list[tuple[str, Callable[[], AbstractContextManager[str]]]] = [
             ("gpulane (pull)", partial(gpulane, *urls))
         ]
-        if LITELLM.exists():
+        if LITELLM.exists() and size.peers:
             for strategy in ("simple-shuffle", "least-busy"):
                 systems.append((f"LiteLLM {strategy}", partial(litellm, strategy, *urls)))
-        else:
+        elif size.peers:
             report.notes.append(
                 "LiteLLM is not installed (scripts/litellm-venv.sh): its rows are left out"
             )
@@ -233,6 +251,8 @@ def _run(size: Size, report: Report, folder: Path) -> None:
                     fast = LlamaServer(fast.model, folder / "fast2.log", fast.port).start()
                 with system() as url:
                     latencies, _ = asyncio.run(load(url, size, kill=fast if killed else None))
+                if not killed:
+                    cdfs[name] = latencies
                 servers_state = "fast one killed at 1/3" if killed else "both up"
                 completed = f"{len(latencies)}/{size.requests}"
                 rows.append(
@@ -248,6 +268,23 @@ def _run(size: Size, report: Report, folder: Path) -> None:
                 note=note,
             )
         )
+    return ttft, cdfs
+
+
+def _chart(ttft: Ttft, cdfs: Cdfs, outdir: Path) -> str:
+    fig, (left, right) = figure(9.0, 3.2, ncols=2)
+    ticks = [f"{label} server" for label in ttft]
+    series = {
+        "straight": [t[0] for t in ttft.values()],
+        "through gpulane": [t[1] for t in ttft.values()],
+    }
+    grouped_bars(left, series, ticks)
+    left.set_ylabel("time to first token, p50 (ms)")
+    left.legend()
+    latency_cdf(right, cdfs)
+    right.set_title("two servers of unequal speed, 8 clients", fontsize=9)
+    right.legend(fontsize=8)
+    return save(fig, outdir, "generate.png")
 
 
 def _overhead_rows(
