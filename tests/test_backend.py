@@ -21,6 +21,7 @@ import redis
 from conftest import FAST, make_settings, submit, wait_status
 from playwright.sync_api import sync_playwright
 from support.observe import CHROMIUM, CHROMIUM_ARGS
+from support.up import Up, up_env
 
 from dispatcher.contract import keys
 from dispatcher.contract.generation import type_of_model
@@ -494,3 +495,27 @@ def test_max_tokens_past_a_known_context_is_refused_before_queueing(
         sdk(api).chat.completions.create(model="ctx-model", messages=MESSAGES, max_tokens=500)
     assert refused.value.param == "max_tokens" and "128" in str(refused.value)
     assert r.llen(keys.queue("interactive")) == 0
+
+
+def test_up_starts_a_backend_worker_per_url(
+    llama: Callable[..., LlamaServer], tmp_path: Path
+) -> None:
+    server = llama()
+    up = Up(up_env(tmp_path), "--workers", "1", "--backend", server.url)
+    try:
+        url = up.url()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+        def listed() -> bool:
+            return MODEL_ID in [m.id for m in client.models.list().data]
+
+        wait_for(listed, 30, what="the server's model in /v1/models")
+        answer = client.chat.completions.create(
+            model=MODEL_ID, messages=MESSAGES, logit_bias=NO_EOS, max_tokens=3
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens >= 1
+        workers = httpx.get(url + "/workers").json()["workers"]
+        backends = [w["backend"]["url"] for w in workers if w["backend"]]
+        assert backends == [server.url] and len(workers) == 2, workers
+    finally:
+        assert up.stop() == 0, up.output()

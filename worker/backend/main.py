@@ -138,7 +138,7 @@ class _Backend:
         if not await asyncio.to_thread(self.register, catalog):
             return
         log.info(
-            "backend worker ready: %s, models %s, %d slots, classes %s",
+            "backend worker for %s ready, models %s, %d slots, classes %s",
             self.backend.url,
             sorted(models),
             slots,
