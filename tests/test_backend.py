@@ -226,6 +226,11 @@ def test_in_process_and_backend_workers_share_a_class(
     record = wait_status(http, generated.json()["id"], {"succeeded", "failed"})
     assert record["status"] == "succeeded" and record["worker"] == "b-mixed", record
     assert record["result"]["object"] == "chat.completion"
+    # Neither an echo nor a whole generation has a stream to read.
+    for task_id in (echoes[0], generated.json()["id"]):
+        answer = http.get(f"/tasks/{task_id}/stream")
+        assert answer.status_code == 409 and answer.json()["error"]["code"] == "not_a_stream"
+    assert http.get("/tasks/no-such-task/stream").status_code == 404
 
 
 def test_a_stream_is_read_from_another_api_process(

@@ -42,6 +42,7 @@ __all__ = [
     "check_context",
     "error_of",
     "first_entry",
+    "not_a_stream",
     "read_stream",
     "submit",
     "until",
@@ -233,6 +234,11 @@ async def whole(svc: Services, receive: Receive, gen: Generation, scope: str | N
     return orjson.dumps(record["result"])
 
 
+def not_a_stream(task_id: str) -> ApiError:
+    message = f"Task {task_id[:100]!r} is not a streamed generation; GET /tasks/{{id}} has it."
+    return ApiError(409, "not_a_stream", message)
+
+
 def error_of(record: dict[str, Any] | None) -> ApiError:
     """The HTTP error for a generation that did not succeed: the server's own 4xx for
     what it refused (a prompt past its context), 502 for its other failures, 504 for a
@@ -269,6 +275,8 @@ async def first_entry(svc: Services, gen: Generation, scope: str | None) -> tupl
             entries = await _read(svc, gen.task_id, last, block=False)
             if entries:
                 return entries[-1][0], entries
+            if record is not None and record["status"] == TaskStatus.SUCCEEDED:
+                raise not_a_stream(gen.task_id)  # a whole answer: its result has it
             raise error_of(record)
 
 

@@ -160,12 +160,13 @@ async def completions(request: Request) -> Response:
 @stream_router.get(
     "/tasks/{task_id}/stream",
     summary="A generation's stream, from any API process (server-sent events)",
-    responses=responses(401, 404, 429, 502, 503, 504),
+    responses=responses(401, 404, 409, 429, 502, 503, 504),
 )
 async def task_stream(request: Request, task_id: str) -> Response:
     """The chunks of a backend task submitted with ``stream: true`` (by ``POST /tasks``
     or the OpenAI routes, on this process or another), as the OpenAI routes send them,
-    usage chunk included; ``data: [DONE]`` at its end."""
+    usage chunk included; ``data: [DONE]`` at its end. A task that is not a streamed
+    generation is `409 not_a_stream`."""
     return await _in_openai_shape(request, _task_stream(request, task_id))
 
 
@@ -174,8 +175,10 @@ async def _task_stream(request: Request, task_id: str) -> Response:
     principal = await caller(request)
     scope = principal.task_scope
     record = await svc.store.get(task_id, scope)
-    if record is None or not str(record.get("type", "")).startswith(BACKEND_PREFIX):
-        raise ApiError(404, "not_found", f"No generation {task_id[:100]!r}.")
+    if record is None:
+        raise ApiError(404, "not_found", f"No task {task_id[:100]!r}.")
+    if not str(record.get("type", "")).startswith(BACKEND_PREFIX):
+        raise generation.not_a_stream(task_id)
     gen = generation.Generation(task_id, "", Kind.CHAT, True, 0)
     first = await generation.until(
         svc, request.receive, task_id, generation.first_entry(svc, gen, scope)
