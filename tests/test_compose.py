@@ -87,6 +87,15 @@ def test_api_and_worker() -> None:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
+def test_a_backend_worker_is_opt_in_and_needs_no_gpu() -> None:
+    backend = _compose()["services"]["backend"]
+    assert backend["profiles"] == ["backend"]  # `docker compose up` alone does not start it
+    assert backend["command"][:3] == ["gpulane", "worker", "--backend"]
+    assert backend["command"][3].startswith("${GPULANE_BACKEND_URL:-http")
+    assert backend["environment"]["GPULANE_REDIS_URL"].startswith("redis://redis:")
+    assert _gpu_reservations(backend) == []
+
+
 def _gpu_reservations(worker: dict[str, Any]) -> list[dict[str, Any]]:
     reservations = worker.get("deploy", {}).get("resources", {}).get("reservations", {})
     return list(reservations.get("devices") or [])
