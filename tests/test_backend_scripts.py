@@ -4,6 +4,8 @@ backend client's reading of what a server streams."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
 
@@ -136,3 +138,36 @@ def test_model_types_errors_and_estimates() -> None:
     assert error_of({"error": {"code": "backend_error", "status": 429}}).status == 502
     assert error_of({"error": {"code": "timeout"}}).status == 504
     assert error_of(None).status == 503
+
+
+def test_a_stream_cut_by_a_lost_worker_is_not_generated_again() -> None:
+    """The task's next attempt finds the earlier attempt's chunks in its stream: it ends
+    the stream with an error entry and fails, rather than append a second answer (the
+    server is never called: its URL here answers nothing)."""
+    import asyncio
+
+    from dispatcher.contract.metrics import Recorder
+    from worker.backend.client import Backend
+    from worker.backend.relay import Relay
+    from worker.backend.stream import StreamWriter
+    from worker.broker import Claimed
+
+    args = {"kind": "chat", "body": {"model": "m", "messages": []}, "stream": True}
+    claimed = Claimed("t1", "batch", encode_call(MODEL_TYPE, args), 2, 30.0, None, 0, None)
+    written: list[tuple[str, bytes]] = []
+
+    def append(entries: list[tuple[str, bytes]]) -> bool:
+        written.extend(entries)
+        return True
+
+    async def run() -> Any:
+        writer = StreamWriter(append, "t1", lambda: 3)
+        relay = Relay(claimed, Backend("http://127.0.0.1:9", None), writer, Recorder(), "x")
+        try:
+            return await relay.run()
+        finally:
+            await writer.close()
+
+    outcome = asyncio.run(run())
+    assert outcome.status == "failed" and outcome.error["code"] == "worker_lost"
+    assert [kind for kind, _ in written] == ["error"]

@@ -386,6 +386,10 @@ class Broker:
         flat = [part for kind, data in entries for part in (kind, data)]
         return bool(self._scripts.run("stream", opts, *flat))
 
+    def stream_length(self, task: Claimed) -> int:
+        """Entries the task's stream holds (written by earlier attempts, for a re-run)."""
+        return int(self.client.xlen(keys.stream(task.task_id)))
+
     def settle_tokens(self, task: Claimed, used: int) -> int:
         """Give back what the task's tpm charge held beyond the tokens it used."""
         return int(self._scripts.run("tokens", options(op="settle", id=task.task_id, used=used)))

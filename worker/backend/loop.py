@@ -167,7 +167,9 @@ class BackendLoop:
 
     def _start(self, claimed: Claimed) -> None:
         writer = StreamWriter(
-            lambda entries: self.broker.append_stream(claimed, entries), claimed.task_id
+            lambda entries: self.broker.append_stream(claimed, entries),
+            claimed.task_id,
+            lambda: self.broker.stream_length(claimed),
         )
         relay = Relay(claimed, self.backend, writer, self.recorder, self.backend.url)
         task = asyncio.create_task(self._serve(claimed, relay))

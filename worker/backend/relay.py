@@ -128,6 +128,12 @@ class Relay:
         return Outcome("finished", result_json=orjson.dumps(answer).decode())
 
     async def _stream(self, args: BackendArgs) -> Outcome:
+        if self.claimed.attempt > 1 and await self.writer.written_before():
+            # An earlier attempt's chunks reached the client (its worker was lost): a
+            # generation started again would append a second answer to the first.
+            return await self._ended(
+                "worker_lost", "The stream was cut when its worker was lost; not restarted."
+            )
         # Usage asked of every server: those that honour it (vLLM, SGLang, llama.cpp's
         # own server) send a last chunk with it; the API shows it only when asked.
         body = {**args.body, "stream": True, "stream_options": {"include_usage": True}}

@@ -30,8 +30,9 @@ class Fenced(Exception):
 
 
 class StreamWriter:
-    def __init__(self, append: Append, task_id: str) -> None:
+    def __init__(self, append: Append, task_id: str, length: Callable[[], int]) -> None:
         self._append = append
+        self._length = length
         self._task_id = task_id
         self._queue: list[tuple[str, bytes]] = []
         self._more = asyncio.Event()
@@ -39,6 +40,10 @@ class StreamWriter:
         self._idle.set()
         self._fenced = False
         self._task: asyncio.Task[None] | None = None
+
+    async def written_before(self) -> bool:
+        """Whether the stream already holds entries (an earlier attempt's)."""
+        return await asyncio.to_thread(self._length) > 0
 
     async def put(self, kind: StreamEntry, data: dict[str, Any]) -> None:
         await self.put_raw(kind, orjson.dumps(data))
