@@ -294,12 +294,12 @@ async def read_stream(
     """The SSE body: each chunk as the server sent it, then ``data: [DONE]``; an error
     entry (or the task ending without its stream) as an ``error`` event."""
     last, entries = first
-    relay = _Relay(gen)
+    events = _Events(gen)
     while True:
         parts = []
         over = False
         for _, fields in entries:
-            part, over = relay.event(fields[b"k"].decode(), fields[b"d"])
+            part, over = events.event(fields[b"k"].decode(), fields[b"d"])
             parts.append(part)
             if over:
                 break
@@ -328,7 +328,7 @@ def _sse(value: Any) -> bytes:
     return b"data: " + orjson.dumps(value) + b"\n\n"
 
 
-class _Relay:
+class _Events:
     """Turns stream entries into SSE events for one client."""
 
     def __init__(self, gen: Generation) -> None:
