@@ -336,7 +336,16 @@ def test_a_killed_server_fails_over_and_comes_back(
         model=MODEL_ID, messages=MESSAGES, logit_bias=NO_EOS, max_tokens=2
     )
     llama("slow", port=doomed.port, n_ctx=2048)  # the same server, back
-    wait_for(lambda: r.hget(keys.worker("b-doomed"), "state") == b"idle", 15, what="claiming again")
+    # Idle again with every slot free (a run stopped while it reported its outcome once
+    # kept its slot, and the worker busy, for good).
+    wait_for(
+        lambda: (
+            r.hget(keys.worker("b-doomed"), "state") == b"idle"
+            and b'"busy": 0' in (r.hget(keys.worker("b-doomed"), "backend") or b"")
+        ),
+        15,
+        what="claiming again",
+    )
 
 
 def test_the_faster_backend_serves_more(

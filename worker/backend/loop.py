@@ -182,19 +182,25 @@ class BackendLoop:
 
     async def _serve(self, claimed: Claimed, relay: Relay) -> None:
         try:
-            outcome = await relay.run()
-        except Exception as exc:
-            log.exception("relay failed", extra={**self._who, "task": claimed.task_id})
-            outcome = Outcome.fail("task_error", f"{type(exc).__name__}: {exc}")
+            try:
+                outcome = await relay.run()
+            except Exception as exc:  # a relay bug must not strand the task
+                log.exception("relay failed", extra={**self._who, "task": claimed.task_id})
+                outcome = Outcome.fail("task_error", f"{type(exc).__name__}: {exc}")
+            finally:
+                await relay.writer.close()
+            if outcome.status == "release" and relay.stop is None:
+                self._probe_now.set()  # the connection broke: is the server gone?
+            await asyncio.to_thread(self._report, claimed, outcome, relay)
         finally:
-            await relay.writer.close()
-        if outcome.status == "release" and relay.stop is None:
-            self._probe_now.set()  # the connection broke: is the server gone?
-        await asyncio.to_thread(self._report, claimed, outcome, relay)
-        with self._lock:
-            self._runs.pop(claimed.task_id, None)
-        self._changed.set()
-        self._publish()
+            # Whatever happened, the slot is free again: a run left here would keep the
+            # worker busy and its slot taken for good. Only this run's entry: a later
+            # attempt of the same task may hold the id by now.
+            with self._lock:
+                if self._runs.get(claimed.task_id, (None, None))[1] is relay:
+                    del self._runs[claimed.task_id]
+            self._changed.set()
+            self._publish()
 
     def _report(self, claimed: Claimed, outcome: Outcome, relay: Relay) -> None:
         """Record the outcome (on a thread: the Reporter waits out Redis outages), settle

@@ -81,10 +81,19 @@ class Relay:
     streaming: bool = False
     started: float = field(default_factory=time.monotonic)
 
-    running: bool = False  # from here on a stop cancels the run's asyncio task
+    # While True, a stop cancels the run's asyncio task: not before its first step (a
+    # task canceled then never runs a line), nor once it returned (its task is
+    # reporting the outcome then, which a cancel would cut short).
+    running: bool = False
 
     async def run(self) -> Outcome:
         self.running = True
+        try:
+            return await self._run()
+        finally:
+            self.running = False
+
+    async def _run(self) -> Outcome:
         if self.stop is not None:
             return await self._stopped()
         try:
