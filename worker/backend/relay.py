@@ -39,6 +39,8 @@ from worker.execute import Outcome, canceled
 
 __all__ = ["BackendArgs", "Relay", "Stop", "Usage"]
 
+_HOLD_MAX = 8  # chunks held back waiting for the first token, at most
+
 log = logging.getLogger("gpulane.worker")
 
 
@@ -150,20 +152,26 @@ class Relay:
         pieces = 0
         reported: dict[str, Any] | None = None
         finish: Any = None
+        # Chunks before the first token (the role's) wait for it: one write, one read at
+        # the API and one send carry them together, the time to first token's path.
+        held: list[bytes] = []
         async for chunk, raw in self.backend.stream(args.kind, body):
             now = time.monotonic()
-            if pieces == 0 and _has_text(chunk):
-                self.recorder.observe("ttft", now - self.started, self.label)
-            elif _has_text(chunk):
-                self.recorder.observe("tbt", now - last, self.label)
-            if _has_text(chunk):
+            text = _has_text(chunk)
+            if text:
+                if pieces:
+                    self.recorder.observe("tbt", now - last, self.label)
+                else:
+                    self.recorder.observe("ttft", now - self.started, self.label)
                 pieces += 1
                 last = now
             if isinstance(chunk.get("usage"), dict):
                 reported = chunk["usage"]
             finish = _finish_reason(chunk) or finish
-            await self.writer.put_raw(StreamEntry.CHUNK, raw)  # as the server wrote it
-            self.sent += 1
+            held.append(raw)  # as the server wrote it
+            if pieces or len(held) >= _HOLD_MAX:
+                await self._put(held)
+        await self._put(held)
         if reported is not None:
             self.usage = Usage(
                 _int(reported.get("prompt_tokens")), _int(reported.get("completion_tokens"))
@@ -177,6 +185,13 @@ class Relay:
         return Outcome(
             "finished", result_json=orjson.dumps({"streamed": self.sent, **end}).decode()
         )
+
+    async def _put(self, chunks: list[bytes]) -> None:
+        """Queue the held chunks for the stream (emptying ``chunks``)."""
+        for raw in chunks:
+            await self.writer.put_raw(StreamEntry.CHUNK, raw)
+            self.sent += 1
+        chunks.clear()
 
     def _usage_json(self) -> dict[str, Any]:
         u = self.usage or Usage()
