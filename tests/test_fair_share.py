@@ -4,6 +4,10 @@ split a saturated pool, no tenants is FIFO, a killed worker's task goes back int
 lane, and a cancel takes a task out of its lane. (The Lua scripts alone:
 tests/test_fair_scripts.py.)
 
+These tests check the exact turns of count-based fair share (`fair_share_by =
+"tasks"`: one turn per item), so their workers run in that mode; fair share by device
+time, the default, is tested by tests/test_device_time.py.
+
 Orders are never read off clocks: claims in the order Redis ran them come from the
 claim notifications (support/claims.py), and tasks that hold their worker
 (support/gl_fair_tasks.py) stop the pool at a known point instead of a sleep."""
@@ -117,7 +121,7 @@ def test_a_small_tenant_is_served_next_to_a_backlog(
     # Two workers work through the backlog until each holds one of bulk's tasks.
     workers = 2
     for n in range(workers):
-        start_worker(f"fair-backlog-{n}", extra=["--tasks", TASKS])
+        start_worker(f"fair-backlog-{n}", extra=["--tasks", TASKS], fair_share_by="tasks")
     held_log = Path(f"{hold}.held")
     wait_for(
         lambda: held_log.exists() and len(held_log.read_text().split()) == workers,
@@ -180,7 +184,7 @@ def test_weights_split_a_saturated_pool(
             owner[submit(client, "echo")["id"]] = name
     assert r.llen(keys.queue(CLS)) == 2 * per_tenant  # both tenants' tasks, one list
     for n in range(2):
-        start_worker(f"fair-weights-{n}", extra=["--tasks", TASKS])
+        start_worker(f"fair-weights-{n}", extra=["--tasks", TASKS], fair_share_by="tasks")
 
     # Both tenants have work throughout the first 200 claims (heavy takes ~150 of them).
     window = [owner[i] for i in claims.wait(per_tenant)[:per_tenant]]
@@ -228,7 +232,7 @@ def test_without_fair_share_a_class_is_fifo(
         submit(client, "test.record", {"path": str(order), "tag": tag})
     if expected == "fifo":
         assert not r.keys(f"{keys.lane(CLS, '*')}") and r.zcard(keys.lanes(CLS)) == 0
-    start_worker("fair-fifo", extra=["--tasks", TASKS])
+    start_worker("fair-fifo", extra=["--tasks", TASKS], fair_share_by="tasks")
     wait_for(
         lambda: order.exists() and len(order.read_text().split()) == len(tags),
         20,
@@ -253,7 +257,7 @@ def test_a_killed_workers_task_goes_back_into_its_lane(
     alpha, beta = http["alpha"], http["beta"]
     hold = tmp_path / "hold"
     hold.touch()
-    doomed = start_worker("fair-doomed", extra=["--tasks", TASKS])
+    doomed = start_worker("fair-doomed", extra=["--tasks", TASKS], fair_share_by="tasks")
     task = submit(alpha, "test.gate", {"tag": "t", "hold": str(hold)})["id"]
     assert wait_status(alpha, task, {"running"})["worker"] == doomed.name
     wait_for(lambda: Path(f"{hold}.held").exists(), 10, what="the task to hold its worker")
@@ -272,7 +276,7 @@ def test_a_killed_workers_task_goes_back_into_its_lane(
     assert _active(r) == {"alpha", "beta"}
 
     hold.unlink()
-    rescuer = start_worker("fair-rescuer", extra=["--tasks", TASKS])
+    rescuer = start_worker("fair-rescuer", extra=["--tasks", TASKS], fair_share_by="tasks")
     done = wait_status(alpha, task, {"succeeded"})
     assert done["attempts"] == 2 and done["worker"] == rescuer.name
     for task_id, client in others.items():

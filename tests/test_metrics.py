@@ -35,6 +35,7 @@ COUNTERS = {
     "gpulane_tasks_requeued": ("class", "reason"),
     "gpulane_reports_fenced": ("report",),
     "gpulane_tokens": ("tenant", "model", "kind"),
+    "gpulane_device_seconds": ("tenant", "class", "type"),
 }
 GAUGES = {
     "gpulane_queue_depth",
@@ -118,6 +119,8 @@ def _seed_every_series(r: redis.Redis) -> None:
         r.hincrby(keys.METRICS, field, n)
     for field, x in drained.floats.items():
         r.hincrbyfloat(keys.METRICS, field, x)
+    # Device time comes in with a heartbeat (heartbeat.lua), as a float counter.
+    r.hincrbyfloat(keys.METRICS, "c|device|default|batch|echo", 0.25)
 
 
 def test_names_format_and_promtool(

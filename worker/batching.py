@@ -64,7 +64,7 @@ def batch_policies(registry: Registry, settings: Settings) -> dict[str, Batch]:
         if override is not None:
             size = override.batch_max_size or size
             wait = wait if override.batch_max_wait_ms is None else override.batch_max_wait_ms
-        out[name] = Batch(size, wait)
+        out[name] = Batch(size, wait, spec.batch.share_by)
     return out
 
 
@@ -80,6 +80,7 @@ class Item:
     errors: dict[str, dict[str, str]] = field(default_factory=dict)
     outcome: Outcome | None = None
     chunk: bool = False
+    device_s: float = 0.0  # its share of the handler calls it was in (fair share, usage)
 
     @property
     def valid(self) -> list[BaseModel]:
@@ -181,6 +182,8 @@ class BatchRunner:
         left = min(c.claimed.timeout_s - (now - c.started_mono) for c in ctxs)
         args = [a for i in pending for a in i.valid]
         per_item = [c for i, c in zip(pending, ctxs, strict=True) for _ in i.valid]  # shared
+        called = time.monotonic()
+        values: Any = None
         try:
             with self.runner.interrupts.armed(max(left, 0.001), lead):
                 if spec.batch is not None:
@@ -204,6 +207,8 @@ class BatchRunner:
                 assert item.ctx is not None
                 item.outcome = self.runner.failed(exc, item.claimed, item.ctx)
             return True
+        finally:
+            _share(pending, time.monotonic() - called, _sizes(spec, pending, values))
         self._results(pending, values)
         return True
 
@@ -256,6 +261,33 @@ class BatchRunner:
                 item.outcome = self.runner.encode_chunk(item.args, mine, item.errors)
             else:
                 item.outcome = self.runner.encode_one(mine[0])
+
+
+def _sizes(spec: TaskSpec, pending: list[Item], values: Any) -> list[float]:
+    """Each record's part of a call: its valid items, or, when the type shares by a
+    result field and every result has it, the sum of that field over its items."""
+    equal = [float(len(item.valid)) for item in pending]
+    field = spec.batch.share_by if spec.batch is not None else None
+    if field is None or not isinstance(values, list) or len(values) != sum(equal):
+        return equal
+    sizes: list[float] = []
+    at = 0
+    for n in equal:
+        mine = values[at : at + int(n)]
+        at += int(n)
+        got = [v.get(field) if isinstance(v, dict) else None for v in mine]
+        counts = [g for g in got if isinstance(g, int) and not isinstance(g, bool) and g >= 0]
+        if len(counts) != len(got):
+            return equal
+        sizes.append(float(sum(counts)))
+    return sizes if sum(sizes) > 0 else equal
+
+
+def _share(pending: list[Item], seconds: float, sizes: list[float]) -> None:
+    """A call's time, shared by its records in proportion to their ``sizes``."""
+    total = sum(sizes)
+    for item, size in zip(pending, sizes, strict=True):
+        item.device_s += seconds * size / total if total > 0 else 0.0
 
 
 def _invalid(task_type: str, exc: ValidationError) -> str:

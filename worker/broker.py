@@ -21,7 +21,7 @@ from dispatcher.contract.metrics import Drained
 from dispatcher.contract.reaper import Reaped, lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
 from dispatcher.contract.scripts import verdict as script_verdict
-from dispatcher.contract.settings import Settings
+from dispatcher.contract.settings import FairCost, Settings
 from dispatcher.contract.workers import RqCurrent, rq_worker_view
 
 __all__ = ["Beat", "Broker", "Claimed", "Finished", "Lease", "Report"]
@@ -56,6 +56,7 @@ class Report:
     result_json: str = ""
     error: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
+    device_s: float = 0.0  # the device time the run used (its share of its batch's calls)
 
 
 # finish.lua's answer: ('ok', the Redis time it ended at) or (why not, None).
@@ -126,6 +127,7 @@ class Broker:
         self._address: str | None = None  # as Redis sees this client, for RQ's registry
         # Doorbell order among parked workers: lower rings first (claim.lua's park score).
         self._rank = round(1000 / settings.worker_speed)
+        self._by_time = settings.fair_share_by == FairCost.DEVICE_TIME
 
     def _rq_view(self, info: dict[str, str], current: RqCurrent | None) -> dict[str, Any]:
         """The worker as RQ's worker registry shows it (``rq info``, rq-dashboard)."""
@@ -234,6 +236,7 @@ class Broker:
             device=device_json,
             **({} if mem_mb is None else {"mem": mem_mb}),
             **({} if self.types is None else {"types": self.types}),
+            fair_time=self._by_time,
             **extra,
         )
 
@@ -333,6 +336,8 @@ class Broker:
             error=json.dumps(report.error) if report.error else "",
             progress=json.dumps(report.progress) if report.progress else "",
             ttl_s=self.settings.result_ttl_s,
+            # Fair share settles a laned task's charge with it (device_time mode only).
+            **({"device_us": round(report.device_s * 1e6)} if self._by_time else {}),
         )
 
     def release(
@@ -425,6 +430,8 @@ class Broker:
             counters=drained.counters,
             floats=drained.floats,
             runs=drained.runs,
+            usage=drained.usage,
+            usage_ttl_s=self.settings.usage_retention_s,
         )
         calls = [("reap", [reap_options(self.settings)]), ("heartbeat", [beat])]
         if gpu_slot is not None:

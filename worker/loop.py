@@ -156,7 +156,7 @@ class WorkerLoop:
         runs = []
         for item in items:
             assert item.outcome is not None
-            runs.append(Concluded(item.claimed, item.outcome, item.ctx))
+            runs.append(Concluded(item.claimed, item.outcome, item.ctx, item.device_s))
         return self._conclude(runs, _items(claims))
 
     def _unpark(self) -> None:
@@ -192,6 +192,8 @@ class WorkerLoop:
         for run, ended_ms in zip(runs, ended, strict=True):
             claimed, outcome = run.claimed, run.outcome
             task_type = run.ctx.task_type if run.ctx else "-"
+            # Usage counts every run's device time, handed back or not: the card was busy.
+            self.recorder.use(claimed.tenant, claimed.cls, task_type, run.device_s)
             status = PUBLIC_STATUS.get(outcome.status, outcome.status)
             if ended_ms is not None:  # Redis' clock, as the record says
                 run_s = (ended_ms - claimed.started_ms) / 1000

@@ -132,6 +132,10 @@ class Batch:
 
     max_size: int = 32
     max_wait_ms: float = 5.0
+    # A field of each item's result (a whole number, such as its tokens) by which a
+    # call's device time is shared among its items (fair share, usage); None, or a
+    # result without it: equal shares.
+    share_by: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_size <= 1024:

@@ -52,12 +52,15 @@ class Concluded:
     claimed: Claimed
     outcome: Outcome
     ctx: RunningTask | None
+    device_s: float = 0.0  # device time the run used (its share of its batch's calls)
 
 
 def _report(run: Concluded) -> Report:
     outcome, ctx = run.outcome, run.ctx
     progress = ctx.latest_progress if ctx else None
-    return Report(run.claimed, outcome.status, outcome.result_json, outcome.error, progress)
+    return Report(
+        run.claimed, outcome.status, outcome.result_json, outcome.error, progress, run.device_s
+    )
 
 
 class Reporter:

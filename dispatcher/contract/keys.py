@@ -72,7 +72,11 @@ gpulane's keys::
                                             t:<tenant> (an idle tenant's next tag),
                                             w:<tenant> (its weight, written by submits),
                                             x:<tenant> (its lane's items beyond one per
-                                            record, as gpulane:extra:<class>)
+                                            record, as gpulane:extra:<class>),
+                                            c:<tenant> (weighted cost of its last item
+                                            charged), d:<type> (the type's device time
+                                            per item, microseconds, an exponential mean
+                                            of its laned finishes)
     gpulane:metrics                  HASH   pool-wide counters and histogram buckets
     gpulane:idem:<tenant>:<digest>   STRING "<task id> <request fingerprint>" owning an
                                             Idempotency-Key
@@ -82,6 +86,13 @@ gpulane's keys::
     gpulane:tpm:<tenant>             HASH   the tenant's model-token bucket (its tpm):
                                             tokens, at_ms; charged max_tokens at
                                             admission, settled with the real usage
+    gpulane:usage:<minute>           HASH   device time used in that minute (Redis
+                                            time, minutes since the epoch), integer
+                                            microseconds: u|<tenant>|<class>|<type>, and
+                                            t|<tenant> (its total, for device quotas);
+                                            written by worker heartbeats, expires
+                                            usage_retention_s after its last write
+    gpulane:usage:minutes            ZSET   minute -> minute, of every usage bucket kept
     gpulane:stream:<id>              STREAM a generation's chunks as its backend worker
                                             relays them (fields k: chunk | end | error,
                                             d: JSON); any API process reads it; expires
@@ -118,6 +129,7 @@ __all__ = [
     "REAPER_LOCK",
     "RQ_QUEUES",
     "RQ_WORKERS",
+    "USAGE_MINUTES",
     "WORKERS",
     "catalog_publisher",
     "control",
@@ -144,6 +156,7 @@ __all__ = [
     "stream",
     "tenant_tasks",
     "tpm",
+    "usage",
     "wake",
     "worker",
 ]
@@ -159,6 +172,7 @@ METRICS = _P + "metrics"
 REAPER_LOCK = _P + "reaper:lock"
 REAPER_LAST = _P + "reaper:last"
 EVENTS = _P + "events"  # pub/sub channel: ids of tasks whose status or progress changed
+USAGE_MINUTES = _P + "usage:minutes"  # the minutes that have a usage bucket
 
 # One table drives both the Python functions and the Lua prelude:
 # name -> (prefix, argument names, suffix).
@@ -176,6 +190,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "parked_type": (_P + "parked:", ("cls", "task_type"), ""),
     "stream": (_P + "stream:", ("task_id",), ""),
     "tpm": (_P + "tpm:", ("tenant",), ""),
+    "usage": (_P + "usage:", ("minute",), ""),
     "lane": (_P + "lane:", ("cls", "tenant"), ""),
     "lanes": (_P + "lanes:", ("cls",), ""),
     "fair": (_P + "fair:", ("cls",), ""),
@@ -249,6 +264,10 @@ def tpm(tenant: str) -> str:
     return _build("tpm", tenant)
 
 
+def usage(minute: int) -> str:
+    return _build("usage", str(minute))
+
+
 def lane(cls: str, tenant: str) -> str:
     return _build("lane", cls, tenant)
 
@@ -316,6 +335,7 @@ def lua_prelude() -> str:
         ("REAPER_LOCK", REAPER_LOCK),
         ("REAPER_LAST", REAPER_LAST),
         ("EVENTS", EVENTS),
+        ("USAGE_MINUTES", USAGE_MINUTES),
     ):
         lines.append(f"K.{name} = '{value}'")
     return "\n".join(lines) + "\n"

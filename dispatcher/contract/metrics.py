@@ -81,6 +81,9 @@ COUNTERS = {
     "requeued": ("gpulane_tasks_requeued_total", ("class", "reason")),
     # Model tokens a backend worker's tasks used (kind: prompt | completion).
     "tokens": ("gpulane_tokens_total", ("tenant", "model", "kind")),
+    # Device seconds the tasks used, as their workers measured them (a float counter,
+    # written by heartbeat.lua from Recorder.use's usage with the minute's bucket).
+    "device": ("gpulane_device_seconds_total", ("tenant", "class", "type")),
     # Counted by the scripts themselves (c|fenced|<report>), not through a Recorder.
     "fenced": ("gpulane_reports_fenced_total", ("report",)),
 }
@@ -117,9 +120,10 @@ class Drained:
     counters: dict[str, int] = field(default_factory=dict)
     floats: dict[str, float] = field(default_factory=dict)
     runs: dict[str, list[float]] = field(default_factory=dict)  # class -> [sum_s, n]
+    usage: dict[str, int] = field(default_factory=dict)  # tenant|class|type -> device us
 
     def __bool__(self) -> bool:
-        return bool(self.counters or self.floats or self.runs)
+        return bool(self.counters or self.floats or self.runs or self.usage)
 
 
 class Recorder:
@@ -130,6 +134,7 @@ class Recorder:
         self._counters: Counter[str] = Counter()
         self._floats: defaultdict[str, float] = defaultdict(float)
         self._runs: dict[str, list[float]] = {}
+        self._usage: Counter[str] = Counter()
 
     def count(self, name: str, *labels: str, n: int = 1) -> None:
         assert name in COUNTERS, name
@@ -152,12 +157,21 @@ class Recorder:
             total[0] += seconds * n
             total[1] += n
 
+    def use(self, tenant: str, cls: str, task_type: str, seconds: float) -> None:
+        """A task of ``tenant`` (``-``: none) held a device this long: its usage, kept
+        to the microsecond (gpulane_device_seconds_total, GET /usage)."""
+        us = round(seconds * 1e6)
+        if us > 0:
+            with self._lock:
+                self._usage["|".join((tenant or "-", cls, task_type))] += us
+
     def drain(self) -> Drained:
         with self._lock:
-            out = Drained(dict(self._counters), dict(self._floats), self._runs)
+            out = Drained(dict(self._counters), dict(self._floats), self._runs, dict(self._usage))
             self._counters.clear()
             self._floats.clear()
             self._runs = {}
+            self._usage.clear()
         return out
 
     def restore(self, drained: Drained) -> None:
@@ -170,3 +184,4 @@ class Recorder:
                 cur = self._runs.setdefault(cls, [0.0, 0.0])
                 cur[0] += total
                 cur[1] += n
+            self._usage.update(drained.usage)

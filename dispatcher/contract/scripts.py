@@ -47,7 +47,13 @@ __all__ = [
 
 # What the scripts answer (the first element of their reply), one type per script.
 SubmitVerdict = Literal[
-    "accepted", "duplicate", "idempotency_key_reused", "queue_full", "no_workers", "over_quota"
+    "accepted",
+    "duplicate",
+    "idempotency_key_reused",
+    "queue_full",
+    "no_workers",
+    "over_quota",
+    "device_quota",
 ]
 CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "not_found"]
 # ``duplicate``: already final (another worker or a cancel reported it); ``gone``: no

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ from redis.connection import parse_url
 
 __all__ = [
     "ClassConfig",
+    "FairCost",
     "Settings",
     "SettingsError",
     "TenantConfig",
@@ -99,6 +101,13 @@ class TypeConfig(BaseModel):
     )
 
 
+class FairCost(StrEnum):
+    """What fair share charges a tenant for a turn (``fair_share_by``)."""
+
+    DEVICE_TIME = "device_time"
+    TASKS = "tasks"
+
+
 class TenantConfig(BaseModel):
     """One API client: who it is, how its key is checked and what it may use."""
 
@@ -126,6 +135,13 @@ class TenantConfig(BaseModel):
         description="Model tokens per minute (prompt plus completion) for generation routes; "
         "unset: no budget. `max_tokens` is charged at admission and settled with the real "
         "usage; over it, 429 with Retry-After.",
+    )
+    device_seconds_per_hour: float | None = Field(
+        None,
+        gt=0,
+        description="Device-seconds its tasks may use in any hour (a rolling window of the "
+        "last 60 minutes, held in Redis for every API replica); unset: no quota. Over it, "
+        "submits get 429 with Retry-After until enough of the hour has rolled off.",
     )
     generation_class: str | None = Field(
         None,
@@ -227,6 +243,19 @@ class Settings(BaseSettings):
         description="With tenants configured, tenants with queued work in a class take turns "
         "(weighted by their `weight`, FIFO within a tenant); off, or without tenants: each "
         "class is one FIFO queue.",
+    )
+    fair_share_by: FairCost = Field(
+        FairCost.DEVICE_TIME,
+        description="What a turn costs under fair share: `device_time` (the device time the "
+        "task's worker measured, so tenants get device time in proportion to their weights) "
+        "or `tasks` (one per item, whatever it costs to run).",
+    )
+    usage_retention_s: int = Field(
+        7 * 86400,
+        ge=3600,
+        le=90 * 86400,
+        description="How long the per-minute device-time usage (GET /usage, device quotas) "
+        "is kept.",
     )
     types: dict[str, TypeConfig] = Field(
         default_factory=dict, description="Per task type overrides (batch policy)."

@@ -78,6 +78,7 @@ def claim_tasks(
     redeliver: bool = False,
     aging: dict[str, int] | None = None,
     more: dict[str, Any] | None = None,
+    fair_time: bool = False,
 ) -> list[Any]:
     """The tasks one claim took, as claim.lua returns them: [id, class, data, attempt,
     timeout, created_ms, started_ms, file, type]; empty: the worker parked. With
@@ -91,6 +92,7 @@ def claim_tasks(
         redeliver=redeliver,
         batch=batch or {},
         rank=rank,
+        fair_time=fair_time,
         **({} if mem is None else {"mem": mem}),
         **({} if more is None else {"more": more}),
     )
@@ -103,9 +105,17 @@ def claim(s: SyncScripts, worker: str, **kw: Any) -> list[str]:
 
 
 def finish(
-    s: SyncScripts, worker: str, task_id: str, result: Any, attempt: int = 1, cls: str = "batch"
+    s: SyncScripts,
+    worker: str,
+    task_id: str,
+    result: Any,
+    attempt: int = 1,
+    cls: str = "batch",
+    device_us: int | None = None,
 ) -> bytes:
-    """finish.lua's verdict for a successful report of ``result``."""
+    """finish.lua's verdict for a successful report of ``result`` (``device_us``: the
+    device time measured, as a worker in device_time mode reports it)."""
+    timed = {} if device_us is None else {"device_us": device_us}
     opts = options(id=task_id, worker=worker, attempt=attempt, status="finished", error="",
-                   progress="", ttl_s=60, **{"class": cls})  # fmt: skip
+                   progress="", ttl_s=60, **{"class": cls}, **timed)  # fmt: skip
     return bytes(s.run("finish", opts, json.dumps(result))[0])

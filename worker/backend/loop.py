@@ -205,8 +205,11 @@ class BackendLoop:
     def _report(self, claimed: Claimed, outcome: Outcome, relay: Relay) -> None:
         """Record the outcome (on a thread: the Reporter waits out Redis outages), settle
         the tenant's token charge and count what the run used."""
+        # A backend worker's device time is the slot's: from the claim to the outcome.
+        slot_s = time.monotonic() - relay.started
         reporter = Reporter(self.broker, self.recorder, self.state, self.settings, Backoff())
-        ended = reporter.report([Concluded(claimed, outcome, None)])[0]
+        ended = reporter.report([Concluded(claimed, outcome, None, slot_s)])[0]
+        self.recorder.use(claimed.tenant, claimed.cls, claimed.task_type, slot_s)
         status = PUBLIC_STATUS.get(outcome.status, outcome.status)
         elapsed = time.monotonic() - relay.started
         error = {"error": outcome.error["code"]} if outcome.error else {}

@@ -90,6 +90,6 @@ if _available():
         "embed",
         model=MODEL_ID,
         load=load_model,
-        batch=Batch(max_size=64, max_wait_ms=5),
+        batch=Batch(max_size=64, max_wait_ms=5, share_by="tokens"),  # long texts cost more
         description="Embed a text with all-MiniLM-L6-v2 (384 dims, L2-normalised).",
     )(embed)

@@ -26,7 +26,7 @@
 -- too big for their card (the same SCAN).
 -- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
 --           redeliver (the caller lost the reply of its last claim), batch, rank?, mem?,
---           more?, types?}
+--           more?, types?, fair_time (fair share charges device time, not items)}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
 -- started_ms, file|nil, type, items, tenant}; more than one only for a batch) or nil; with `more`,
 -- {stop (1: stop waiting), task, ...}.
@@ -148,6 +148,7 @@ local function peek(c)
 end
 
 -- Take the peeked task: out of its lists into the in-flight list; charge its tenant.
+-- Returns what its tenant was charged (nil: no lane).
 local function take(p, now)
   local c, id, f, index, t, tag, moved = p[1], p[2], p[3], p[4], p[5], p[6], p[7]
   local ik = K.inflight(w, c)
@@ -166,7 +167,11 @@ local function take(p, now)
   else
     class_extra(c, -extra(f[10]))
   end
-  if t then charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t)), f[10]) end
+  if t then
+    return charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t)), f[10], f[7],
+      o.fair_time)
+  end
+  return nil
 end
 
 -- The first class below position i whose oldest task waited longer than its aging.
@@ -192,12 +197,15 @@ local function handed(id, c, f, attempts, started_ms)
 end
 
 local function start(p, now)
-  take(p, now)
+  local charged = take(p, now)
   local id, c, f = p[2], p[1], p[3]
   local attempts = (tonumber(f[3]) or 0) + 1
   local ts = iso(now)
+  -- fc: what fair share charged this run, which its finish settles with the device
+  -- time measured (0 without a lane: nothing to settle).
   redis.call('HSET', K.job(id), 'status', 'started', 'started_at', ts, 'last_heartbeat', ts,
-    'started_ms', now, 'worker_name', w, 'attempts', attempts, 'device', o.device)
+    'started_ms', now, 'worker_name', w, 'attempts', attempts, 'device', o.device,
+    'fc', num(charged or 0))
   notify(id)
   return handed(id, c, f, attempts, now)
 end

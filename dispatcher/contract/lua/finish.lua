@@ -4,14 +4,16 @@
 -- the current run left alone. If the task already ended, nothing changes: results are
 -- reported once. If it was handed back meanwhile and nobody started it again, the
 -- result is kept and it leaves the queue (and its tenant's lane).
--- ARGV[1]: {id, worker, class, attempt, status, error, progress, ttl_s};
+-- Under fair share, a laned task's measured device time (`device_us`, sent when fair
+-- share counts device time) settles what its claim charged its tenant (settle_time).
+-- ARGV[1]: {id, worker, class, attempt, status, error, progress, ttl_s, device_us?};
 -- ARGV[2]: result JSON or ''.
 -- Returns {'ok', ended_ms} | {'duplicate', status} | {'gone'} | {'fenced'}.
 local o = cjson.decode(ARGV[1])
 local jk = K.job(o.id)
 local ik = K.inflight(o.worker, o.class)
 local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'attempts',
-  'origin', 'bytes', 'lane', 'created_ms', 'items')
+  'origin', 'bytes', 'lane', 'created_ms', 'items', 'fc', 'type')
 if not f[1] then
   redis.call('LREM', ik, 0, o.id)
   return {'gone'}
@@ -23,6 +25,10 @@ local now = now_ms()
 if removed == 0 then -- handed back, queued again: it leaves the queue and its lane
   unlist(o.class, o.id, f[9], now, f[10])
   unlane(o.class, o.id, f[8], f[10])
+end
+local charged = tonumber(f[11])
+if o.device_us and charged and charged > 0 and f[8] and f[8] ~= '' then
+  settle_time(o.class, f[8], f[12] or '-', f[10], charged, o.device_us)
 end
 local extra = {}
 if ARGV[2] ~= '' then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end

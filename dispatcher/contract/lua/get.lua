@@ -19,7 +19,9 @@ if values[1] == 'queued' and values[3] then
   local k = lk and redis.call('LPOS', lk, ARGV[1])
   if k then
     local x = redis.call('HGET', K.fair(c), 'x:' .. lane)
-    position = fair_ahead(c, lane, items_before(k, redis.call('LLEN', lk), x))
+    local task_type
+    for i = 2, #ARGV do if ARGV[i] == 'type' then task_type = values[i - 1] end end
+    position = fair_ahead(c, lane, items_before(k, redis.call('LLEN', lk), x), task_type)
   else
     k = redis.call('LPOS', K.queue(c), ARGV[1])
     if k then

@@ -3,6 +3,7 @@
 -- gathered since the last beat, and collect the cancel requests addressed to it.
 -- ARGV[1]: {worker, ttl_ms, tau_s, info {field: string}, counters {field: int},
 --           floats {field: number}, runs {class: [sum_run_s, count]}, rq (see rq_publish),
+--           usage {'<tenant>|<class>|<type>': device microseconds}, usage_ttl_s,
 --           task? {id, attempt}: the run in progress}
 -- Returns {renewed (0: the lease had been reaped), {task ids to cancel}, held (0: the
 -- run in progress is no longer the task's current attempt: the worker stops it)}.
@@ -29,6 +30,22 @@ for cls, s in pairs(o.runs) do
   if cur[3] then decay = math.exp(-math.max(now - tonumber(cur[3]), 0) / 1000 / o.tau_s) end
   redis.call('HSET', sk, 'sum', (tonumber(cur[1]) or 0) * decay + s[1],
     'weight', (tonumber(cur[2]) or 0) * decay + s[2], 'at_ms', now)
+end
+
+-- Device time used since the last beat: the pool's counter (seconds) and this
+-- minute's usage bucket (exact microseconds, for GET /usage and device quotas). The
+-- minute is the beat's, by Redis' clock: a minute that has ended gets no more writes.
+if o.usage and next(o.usage) then
+  local minute = math.floor(now / 60000)
+  local uk = K.usage(minute)
+  for field, us in pairs(o.usage) do
+    redis.call('HINCRBYFLOAT', K.METRICS, 'c|device|' .. field, us / 1e6)
+    redis.call('HINCRBY', uk, 'u|' .. field, us)
+    redis.call('HINCRBY', uk, 't|' .. string.match(field, '^[^|]*'), us)
+  end
+  redis.call('EXPIRE', uk, o.usage_ttl_s)
+  redis.call('ZADD', K.USAGE_MINUTES, minute, minute)
+  redis.call('ZREMRANGEBYSCORE', K.USAGE_MINUTES, '-inf', minute - math.ceil(o.usage_ttl_s / 60))
 end
 
 local cancels = redis.call('LRANGE', K.control(o.worker), 0, -1)

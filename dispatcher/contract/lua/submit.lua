@@ -17,12 +17,33 @@
 -- work fair order puts ahead of it, not the whole class queue; `weight` is the tenant's.
 -- Returns {'accepted', id, depth_before, est_ms, ahead} | {'duplicate', id, status, class, type}
 --       | {'idempotency_key_reused', id}
---       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms, limit}.
+--       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms, limit}
+--       | {'device_quota', '', depth, est_ms, retry_ms} (the tenant's `dq`, below).
 -- depth: items queued in the class before this request. est_ms = -1: cannot estimate
 -- (no live worker serves the class). limit (queue_full): 'depth' (max_queued), 'wait'
 -- (max_wait_s) or 'bytes' (max_queued_bytes).
 -- The idempotency key holds '<id> <fingerprint>' (the sha256 of the canonical request):
 -- the same key with another request is refused, never replayed.
+-- A device quota (`dq`, device microseconds per rolling hour): the tenant's usage in
+-- the minute buckets of the last hour, this minute's included (what the workers'
+-- heartbeats wrote: work still running counts once it is reported). Over it: the ms
+-- until enough of the oldest minutes have left the window; else nil.
+local function over_device_quota(tenant, dq, now)
+  local minute = math.floor(now / 60000)
+  local per, used = {}, 0
+  for m = minute - 59, minute do
+    local us = tonumber(redis.call('HGET', K.usage(m), 't|' .. tenant)) or 0
+    per[#per + 1] = us
+    used = used + us
+  end
+  if used < dq then return nil end
+  for i, us in ipairs(per) do -- minute - 60 + i leaves the window at minute + i
+    used = used - us
+    if used < dq then return (minute + i) * 60000 - now end
+  end
+  return (minute + 60) * 60000 - now
+end
+
 local o = cjson.decode(ARGV[1])
 local records = o.records
 local file = ARGV[#records + 2] or ''
@@ -57,7 +78,7 @@ if o.lane ~= '' then
   redis.call('HSET', fk, 'w:' .. o.lane, o.weight)
   local mine = items_in(redis.call('LLEN', K.lane(o.class, o.lane)),
     redis.call('HGET', fk, 'x:' .. o.lane))
-  ahead = fair_ahead(o.class, o.lane, mine)
+  ahead = fair_ahead(o.class, o.lane, mine, records[1].type)
 end
 -- The items ahead drain at the whole class's pace (big cards take small tasks too);
 -- the request's own items at the pace of the `workers` that can hold them. run_s is the
@@ -86,6 +107,10 @@ if o.max_in_flight > 0 and redis.call('ZCARD', tk) + #records > o.max_in_flight 
 end
 
 local now = now_ms()
+if o.dq > 0 then
+  local retry_ms = over_device_quota(o.tenant, o.dq, now)
+  if retry_ms then return {'device_quota', '', depth, est_ms, retry_ms} end
+end
 local ts = iso(now)
 local quota = o.max_in_flight > 0 and '1' or '0'
 local has_file = size > 0 and '1' or '0'
