@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import Any
 
 from dispatcher.api.errors import ApiError
 from dispatcher.contract.settings import Settings, TenantConfig
@@ -30,6 +31,18 @@ class Principal:
 
     def may_use(self, cls: str) -> bool:
         return self.config is None or self.config.classes is None or cls in self.config.classes
+
+    def terms(self) -> dict[str, Any]:
+        """What a Submission carries of the tenant's configuration (its quota, weight
+        and device quota; none without a configuration)."""
+        cfg = self.config
+        if cfg is None:
+            return {}
+        return {
+            "max_in_flight": cfg.max_in_flight,
+            "weight": cfg.weight,
+            "device_quota_s": cfg.device_seconds_per_hour or 0.0,
+        }
 
     @property
     def task_scope(self) -> str | None:

@@ -64,6 +64,8 @@ _HELP = {
     "batch_size": "Tasks per handler call of a batched type.",
     "tokens": "Model tokens used by generations through backend workers, per tenant, model "
     "and kind (prompt, completion).",
+    "device": "Device seconds used by tasks, per tenant, class and type, as their workers "
+    "measured them (a batch's call time shared by its items; a backend worker's slot time).",
     "ttft": "Seconds from a backend worker's forward to the first streamed token, per backend.",
     "tbt": "Seconds between streamed tokens, per backend.",
     "tokens_per_s": "Completion tokens per second of one generation, per backend.",

@@ -26,7 +26,7 @@ from dispatcher.api.auth import Principal
 from dispatcher.api.catalog import TaskTypeInfo
 from dispatcher.api.deps import Services
 from dispatcher.api.errors import ApiError
-from dispatcher.api.refusals import refusal
+from dispatcher.api.refusals import over_limit, refusal
 from dispatcher.api.store import Record, Submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract import keys
@@ -134,13 +134,10 @@ async def _take_tokens(svc: Services, principal: Principal, n: int) -> int:
         return n
     retry = max(math.ceil(int(value) / 1000), 1)
     svc.recorder.count("rejected", "-", "over_tpm")
-    raise ApiError(
-        429,
-        "rate_limited",
+    raise over_limit(
         f"Tenant {principal.tenant!r} is over its budget of {tpm} tokens a minute "
         f"(this request is charged {n}); retry in {retry} s.",
-        headers={"Retry-After": str(retry)},
-        retry_after_s=retry,
+        retry,
     )
 
 
@@ -165,9 +162,8 @@ async def submit(
         args,
         timeout_s,
         principal.tenant,
-        max_in_flight=principal.config.max_in_flight if principal.config else 0,
-        weight=principal.config.weight if principal.config else None,
         routed=True,
+        **principal.terms(),
     )
     state = (await svc.pool.cached()).admitting(cls, info.name, True)
     if state.workers == 0:  # the cached snapshot may predate a backend that just came up

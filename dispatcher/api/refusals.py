@@ -12,7 +12,7 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.pool import ClassState
 from dispatcher.api.store import Submission, SubmitResult
 
-__all__ = ["backpressure", "refusal"]
+__all__ = ["backpressure", "over_limit", "refusal"]
 
 
 def backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:
@@ -23,18 +23,29 @@ def backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]
     }
 
 
+def over_limit(message: str, retry_s: int) -> ApiError:
+    """429 for a tenant over one of its limits (quota, tpm, device time): retry then."""
+    return ApiError(
+        429, "rate_limited", message, headers={"Retry-After": str(retry_s)}, retry_after_s=retry_s
+    )
+
+
 def refusal(result: SubmitResult, state: ClassState, sub: Submission, items: int = 1) -> ApiError:
     """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings);
     ``items``: the request's (Retry-After waits for room for all of them)."""
+    if result.verdict == "device_quota":
+        retry = max(math.ceil(int(result.limit or 0) / 1000), 1)
+        return over_limit(
+            f"Tenant {sub.tenant!r} used its {sub.device_quota_s:g} device-seconds of the "
+            f"last hour (device_seconds_per_hour); retry in {retry} s.",
+            retry,
+        )
     if result.verdict == "over_quota":
         retry = max(math.ceil(state.run_s), 1)  # about when one of its tasks ends
-        return ApiError(
-            429,
-            "rate_limited",
+        return over_limit(
             f"Tenant {sub.tenant!r} has {sub.max_in_flight} tasks queued or running, its "
             f"max_in_flight; retry in {retry} s.",
-            headers={"Retry-After": str(retry)},
-            retry_after_s=retry,
+            retry,
         )
     # The queue drains at the whole class's pace; with no card that fits, a bigger one
     # may join within a lease (NO_WORKERS_RETRY_S). Refused by its wait: the estimate

@@ -54,6 +54,7 @@ class Submission:
     # must not turn a client's retry into a different request.
     gpu_memory_asked: int | None = None
     routed: bool = False  # a backend model's type: only its backend workers take it
+    device_quota_s: float = 0.0  # the tenant's device-seconds per rolling hour; 0: none
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ def submit_options(
         fingerprint=fp,
         idem_ttl_s=settings.idempotency_ttl_s,
         max_in_flight=sub.max_in_flight,
+        dq=round(sub.device_quota_s * 1e6),
         lane=sub.tenant if settings.fair_share and sub.weight is not None else "",
         weight=sub.weight or 1.0,
         serving=workers if serving is None else serving,
@@ -237,7 +239,7 @@ class TaskStore:
             "queued",
             sub.cls,
             sub.task_type,
-            limit="" if accepted or len(reply) <= 4 else _text(reply[4]),
+            limit="" if accepted or len(reply) <= 4 else _text(reply[4]),  # device_quota: ms
             position=int(reply[4]) if accepted else None,
         )
 

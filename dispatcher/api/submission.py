@@ -362,9 +362,8 @@ async def submission_of(
         file=meta,
         file_data=data,
         idempotency_key=_idempotency_key(request) if request is not None else None,
-        max_in_flight=principal.config.max_in_flight if principal.config else 0,
-        weight=principal.config.weight if principal.config else None,
         gpu_memory_mb=gpu_memory_mb,
         gpu_memory_asked=gpu_memory_mb if fields.get("gpu_memory_mb") is not None else None,
         routed=info.backend,
+        **principal.terms(),
     )

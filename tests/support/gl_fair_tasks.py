@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from worker import TaskContext, task
+from worker import Batch, TaskContext, task
 
 HOLD_LIMIT_S = 60.0  # a held task gives up waiting after this (a test that died)
 
@@ -32,3 +32,31 @@ def gate(args: GateArgs, ctx: TaskContext) -> dict[str, Any]:
             time.sleep(0.005)
     time.sleep(args.seconds)
     return {"tag": args.tag}
+
+
+class RunArgs(BaseModel):
+    seconds: float = Field(0.01, ge=0, le=10, description="How long the task holds its device.")
+
+
+# Two sizes of task as two types, as a pool runs them (an embedding item, a document
+# range): fair share estimates device time per type (tests/test_device_time.py).
+@task("test.small")
+def small(args: RunArgs, ctx: TaskContext) -> None:
+    time.sleep(args.seconds)
+
+
+@task("test.large")
+def large(args: RunArgs, ctx: TaskContext) -> None:
+    time.sleep(args.seconds)
+
+
+class SizedArgs(BaseModel):
+    n: int = Field(1, ge=0, le=1000, description="The item's size (its tokens, say).")
+
+
+@task("test.sized", batch=Batch(max_size=8, max_wait_ms=200, share_by="n"))
+def sized(batch: list[SizedArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Batched: 200 ms a call, whatever it holds; each item reports its size, by which
+    the call's device time is shared (equal shares would give every item the same)."""
+    time.sleep(0.2)
+    return [{"n": args.n} for args in batch]

@@ -25,6 +25,7 @@ from dispatcher.api.deps import caller, services
 from dispatcher.api.errors import STORE_RETRY_AFTER_S, ApiError, error_body, error_responses
 from dispatcher.api.exporter import pool_families, read_recorded, redis_families, render
 from dispatcher.api.stats import LatencyWindow, class_stats, latency_by_class, token_stats
+from dispatcher.api.usage import device_stats
 from dispatcher.contract.workers import NOT_SERVING
 
 __all__ = ["router"]
@@ -135,7 +136,11 @@ async def stats(request: Request) -> dict[str, Any]:
     has not been asked before. Percentiles are null without tasks.
 
     `tokens`: model tokens generations used through backend workers, `{tenant: {model:
-    {"prompt", "completion"}}}` (a tenant's key sees its own)."""
+    {"prompt", "completion"}}}` (a tenant's key sees its own).
+
+    `device_seconds`: device time the tasks used since the metrics began, as their
+    workers measured it, `{tenant: {"total", "classes": {class: {type: seconds}}}}` (a
+    tenant's key sees its own; `GET /usage` reads it by minute)."""
     svc = services(request)
     principal = await caller(request)
     recorded = await read_recorded(svc.client)
@@ -147,6 +152,7 @@ async def stats(request: Request) -> dict[str, Any]:
             if principal.may_use(cls)
         ],
         "tokens": token_stats(recorded, principal.task_scope),
+        "device_seconds": device_stats(recorded, principal.task_scope),
     }
 
 

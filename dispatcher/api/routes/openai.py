@@ -181,16 +181,8 @@ async def _submit_all(
     for text in texts:
         packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
     records, _ = packer.done()
-    quota = principal.config.max_in_flight if principal.config else 0
     sub = Submission(
-        task_type,
-        cls,
-        {},
-        timeout_s,
-        principal.tenant,
-        max_in_flight=quota,
-        weight=principal.config.weight if principal.config else None,
-        gpu_memory_mb=gpu_mb,
+        task_type, cls, {}, timeout_s, principal.tenant, gpu_memory_mb=gpu_mb, **principal.terms()
     )
     try:
         fits_ever(len(texts), len(records), sub, svc.settings)

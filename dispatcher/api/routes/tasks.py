@@ -184,7 +184,7 @@ async def submit_task(request: Request) -> JSONResponse:
             f"This Idempotency-Key was first used for another request (task {result.task_id}); "
             "use a new key for a new request.",
         )
-    if result.verdict in ("queue_full", "no_workers", "over_quota"):
+    if result.verdict in ("queue_full", "no_workers", "over_quota", "device_quota"):
         svc.recorder.count("rejected", sub.cls, result.verdict)
         raise refusal(result, state, sub)
     headers = _accepted_headers(request, svc, result, state)

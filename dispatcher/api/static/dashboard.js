@@ -95,6 +95,7 @@ async function poll() {
     renderClasses(queues, stats);
     renderWorkers(workers);
     renderTokens(stats.tokens || {});
+    renderDevice(stats.device_seconds || {});
     setConnection("live", "live");
     $("updated").textContent = `· ${new Date().toLocaleTimeString()}`;
   } catch (error) {
@@ -457,6 +458,29 @@ function renderTokens(tokens) {
   }
   $("tokens-panel").hidden = rows.length === 0;
   $("token-rows").replaceChildren(...rows);
+}
+
+// Device seconds per tenant, class and type (what fair share splits by weight), with
+// each row's share of all the device time shown.
+function renderDevice(usage) {
+  const all = Object.values(usage).reduce((sum, t) => sum + t.total, 0);
+  const rows = [];
+  for (const [tenant, entry] of Object.entries(usage).sort()) {
+    for (const [cls, types] of Object.entries(entry.classes).sort()) {
+      for (const [type, seconds] of Object.entries(types).sort()) {
+        const share = all > 0 ? `${((100 * seconds) / all).toFixed(1)} %` : "-";
+        rows.push(el("tr", {},
+          el("th", { scope: "row", text: tenant }),
+          cell("Class", document.createTextNode(cls)),
+          cell("Type", el("code", { text: type })),
+          el("td", { class: "num", "data-label": "Device seconds", text: seconds.toFixed(2) }),
+          el("td", { class: "num", "data-label": "Share", text: share }),
+        ));
+      }
+    }
+  }
+  $("device-panel").hidden = rows.length === 0;
+  $("device-rows").replaceChildren(...rows);
 }
 
 // ---- start ----
