@@ -68,3 +68,11 @@ VECTOR = [0.015625 * (i % 64) for i in range(384)]  # an embedding's size (all-M
 def batch_vector(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
     """Batched: a 384-float vector per item, what an embedding returns, with no model."""
     return [{"embedding": VECTOR} for _ in batch]
+
+
+@task("bench.long")
+def long(args: SleepArgs, ctx: TaskContext) -> dict[str, Any]:
+    """``bench.sleep`` under another name, for the long tasks of a mix: fair share
+    estimates device time per type (the ``device`` scenario)."""
+    time.sleep(args.seconds * SLOWDOWN)
+    return {"slept_s": args.seconds * SLOWDOWN}

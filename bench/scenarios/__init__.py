@@ -18,4 +18,5 @@ SCENARIOS = (
     "batched",
     "embed_api",
     "generate",
+    "device",
 )
