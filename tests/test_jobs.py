@@ -62,3 +62,15 @@ def test_iso_ms() -> None:
     assert iso_ms(0) == "1970-01-01T00:00:00.000Z"
     assert iso_ms(1_764_694_133_123) == "2025-12-02T16:48:53.123Z"
     assert iso_ms(None) is None
+
+
+def test_the_scripts_final_set_is_the_one_table() -> None:
+    # Lua's FINAL is generated from FINAL_STATUSES, once, ahead of every script.
+    from dispatcher.contract.jobs import FINAL_STATUSES, lua_statuses
+    from dispatcher.contract.scripts import source
+
+    generated = lua_statuses()
+    assert all(f"{status} = true" in generated for status in FINAL_STATUSES)
+    assert generated.count("= true") == len(FINAL_STATUSES) == 4  # stopped included
+    for name in ("finish", "cancel", "get"):
+        assert source(name).count("local FINAL =") == 1

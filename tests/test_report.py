@@ -21,7 +21,7 @@ from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
 from testkit import wait_for
 from worker.broker import Broker, Claimed
-from worker.execute import Outcome
+from worker.execute import Outcome, RunEnd
 from worker.report import Concluded, Reporter
 from worker.state import WorkerState
 
@@ -58,7 +58,7 @@ def _batch(r: redis.Redis, settings: Settings, broker: Broker, n: int) -> list[C
 
 def _runs(claims: list[Claimed]) -> list[Concluded]:
     return [
-        Concluded(c, Outcome("finished", result_json=f'{{"value":{k}}}'), None)
+        Concluded(c, Outcome(RunEnd.FINISHED, result_json=f'{{"value":{k}}}'), None)
         for k, c in enumerate(claims)
     ]
 
@@ -119,7 +119,7 @@ def test_the_next_claim_rides_with_the_report(
     assert [c.task_id for c in reporter.claimed] == queued
     assert [_status(r, c) for c in reporter.claimed] == ["started"] * 3
     # A run handed back (not final) goes before any claim: no claim rides then.
-    handback = [Concluded(reporter.claimed[0], Outcome("release"), None)]
+    handback = [Concluded(reporter.claimed[0], Outcome(RunEnd.RELEASE), None)]
     reporter.report(handback, broker.claim_options(False, "{}"))
     assert reporter.claimed is None and _status(r, handback[0].claimed) == "queued"
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from dispatcher.contract.jobs import Call, CallRefused, decode_call
+from dispatcher.contract.jobs import Call, CallRefused, ErrorCode, decode_call
 from dispatcher.contract.settings import Settings
 from worker.broker import Claimed
 from worker.execute import (
@@ -111,7 +111,8 @@ class BatchRunner:
             finally:
                 self.runner.end_batch()
         if any(
-            i.outcome and (i.outcome.error or {}).get("code") == "gpu_out_of_memory" for i in items
+            i.outcome and (i.outcome.error or {}).get("code") == ErrorCode.GPU_OUT_OF_MEMORY
+            for i in items
         ):
             free_cached_memory()
         return items
@@ -123,7 +124,7 @@ class BatchRunner:
         try:
             call = decode_call(claimed.data)
         except CallRefused as exc:
-            item.outcome = Outcome.fail("refused", f"Refused: {exc}.")
+            item.outcome = Outcome.fail(ErrorCode.REFUSED, f"Refused: {exc}.")
             return item
         upload = None
         if call.file is not None and claimed.file is not None:
@@ -139,7 +140,7 @@ class BatchRunner:
             try:
                 item.args = [spec.args_model.model_validate(call.args)]
             except ValidationError as exc:
-                item.outcome = Outcome.fail("invalid_args", _invalid(call.task_type, exc))
+                item.outcome = Outcome.fail(ErrorCode.INVALID_ARGS, _invalid(call.task_type, exc))
             return item
         item.chunk = True
         for index, raw in enumerate(call.items):
@@ -148,7 +149,7 @@ class BatchRunner:
             except ValidationError as exc:
                 item.args.append(None)
                 message = _invalid(call.task_type, exc)
-                item.errors[str(index)] = {"code": "invalid_args", "message": message}
+                item.errors[str(index)] = {"code": ErrorCode.INVALID_ARGS, "message": message}
         if not item.valid:  # nothing to run: the chunk's result is its errors
             item.outcome = runner.encode_chunk(item.args, [], item.errors)
         return item
@@ -238,7 +239,9 @@ class BatchRunner:
         for item in pending:
             if left[id(item)] <= max(soonest, 0.01):
                 seconds = item.claimed.timeout_s
-                item.outcome = Outcome.fail("timeout", f"Ran past its timeout of {seconds:g} s.")
+                item.outcome = Outcome.fail(
+                    ErrorCode.TIMEOUT, f"Ran past its timeout of {seconds:g} s."
+                )
 
     def _results(self, pending: list[Item], values: Any) -> None:
         wanted = sum(len(i.valid) for i in pending)
@@ -246,7 +249,7 @@ class BatchRunner:
             got = len(values) if isinstance(values, list) else type(values).__name__
             for item in pending:
                 item.outcome = Outcome.fail(
-                    "invalid_result",
+                    ErrorCode.INVALID_RESULT,
                     f"A batched handler must return one result per item: {wanted} "
                     f"items, got {got}.",
                 )
@@ -301,13 +304,17 @@ def _unrunnable(
     first; a worker checks again, for jobs written by other means), or None."""
     if spec is None:
         return Outcome.fail(
-            "unknown_task_type",
+            ErrorCode.UNKNOWN_TASK_TYPE,
             f"This worker does not run task type {call.task_type!r}; it runs {registry.names()}.",
         )
     if call.items is not None and spec.batch is None:
-        return Outcome.fail("invalid_args", f"Task type {call.task_type!r} takes no chunks.")
+        return Outcome.fail(
+            ErrorCode.INVALID_ARGS, f"Task type {call.task_type!r} takes no chunks."
+        )
     if spec.batch is not None and call.file is not None:
-        return Outcome.fail("invalid_args", "A batched task type takes no file.")
+        return Outcome.fail(ErrorCode.INVALID_ARGS, "A batched task type takes no file.")
     if spec.file == "required" and not has_file:
-        return Outcome.fail("invalid_args", f"Task type {call.task_type!r} needs an uploaded file.")
+        return Outcome.fail(
+            ErrorCode.INVALID_ARGS, f"Task type {call.task_type!r} needs an uploaded file."
+        )
     return None

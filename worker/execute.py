@@ -21,11 +21,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from types import FrameType
 from typing import Any, Protocol
 
 import orjson
 
+from dispatcher.contract.jobs import ErrorCode
 from worker.broker import Claimed
 from worker.gpu.health import classify, describe
 from worker.registry import (
@@ -39,12 +41,14 @@ from worker.registry import (
 
 __all__ = [
     "MAX_CHUNK_RESULT_BYTES",
+    "RECORDED",
     "GpuFault",
     "Interrupts",
     "LeaseLost",
     "Outcome",
     "ProgressSink",
     "RunControl",
+    "RunEnd",
     "Runner",
     "RunningTask",
     "TaskHandback",
@@ -69,29 +73,48 @@ class LeaseLost(TaskInterrupt):
     the task was given back, or runs again elsewhere): stop and report nothing."""
 
 
+class RunEnd(StrEnum):
+    """How a run ended, as the worker reports it."""
+
+    # Recorded by finish.lua, in RQ's vocabulary (RECORDED).
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    # Handed back: untouched, at the head of its queue (a shutdown).
+    RELEASE = "release"
+    # Requeued behind the others (an error its type retries).
+    RETRY = "retry"
+    # A GPU fault: handed back as a lost attempt, which counts against max_attempts
+    # like a dead worker's task; this worker leaves service.
+    LOST = "lost"
+    # The lease was lost: the task is no longer this run's; nothing is reported.
+    ABANDON = "abandon"
+
+
+# The ends finish.lua records; the others go back to the queue (or nowhere).
+RECORDED = frozenset({RunEnd.FINISHED, RunEnd.FAILED, RunEnd.CANCELED})
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """How a run ended. ``status`` is RQ's: finished, failed, canceled; or ``release``
-    (hand the task back untouched), ``retry`` (requeue it behind the others) and
-    ``lost`` (a GPU fault: hand it back as a lost attempt, which counts against
-    ``max_attempts`` like a dead worker's task, and take this worker out of service),
-    and ``abandon`` (the lease was lost: the task is no longer ours, report nothing)."""
+    """How a run ended (:class:`RunEnd`), with its result's JSON or its error."""
 
-    status: str
+    status: RunEnd
     result_json: str = ""
     error: dict[str, Any] | None = None
 
     @staticmethod
     def fail(code: str, message: str) -> Outcome:
-        return Outcome("failed", error={"code": code, "message": message})
+        return Outcome(RunEnd.FAILED, error={"code": code, "message": message})
 
     @staticmethod
     def lost(message: str) -> Outcome:
-        return Outcome("lost", error={"code": "gpu_fault", "message": message})
+        return Outcome(RunEnd.LOST, error={"code": ErrorCode.GPU_FAULT, "message": message})
 
 
 def canceled() -> Outcome:
-    return Outcome("canceled", error={"code": "canceled", "message": "Canceled while running."})
+    error = {"code": ErrorCode.CANCELED, "message": "Canceled while running."}
+    return Outcome(RunEnd.CANCELED, error=error)
 
 
 class Interrupts:
@@ -254,13 +277,14 @@ class Runner:
 
     def interrupted(self, exc: TaskInterrupt, claimed: Claimed) -> Outcome:
         if isinstance(exc, TaskTimeout):
-            return Outcome.fail("timeout", f"Ran past its timeout of {claimed.timeout_s:g} s.")
+            message = f"Ran past its timeout of {claimed.timeout_s:g} s."
+            return Outcome.fail(ErrorCode.TIMEOUT, message)
         if isinstance(exc, TaskHandback):
-            return Outcome("release")
+            return Outcome(RunEnd.RELEASE)
         if isinstance(exc, GpuFault):
             return Outcome.lost(self.interrupts.reason or "Its GPU stopped answering.")
         if isinstance(exc, LeaseLost):
-            return Outcome("abandon")
+            return Outcome(RunEnd.ABANDON)
         return canceled()
 
     def failed(self, exc: Exception, claimed: Claimed, ctx: RunningTask) -> Outcome:
@@ -274,8 +298,8 @@ class Runner:
             return canceled()
         spec = self.registry.get(ctx.task_type)
         if spec is not None and claimed.attempt <= spec.retries:
-            return Outcome("retry")
-        return Outcome.fail("task_error", f"{type(exc).__name__}: {exc}")
+            return Outcome(RunEnd.RETRY)
+        return Outcome.fail(ErrorCode.TASK_ERROR, f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def _gpu_outcome(exc: BaseException, ctx: RunningTask) -> Outcome | None:
@@ -286,7 +310,8 @@ class Runner:
         message = describe(exc)
         if kind == "oom":
             ctx.log.warning("task ran out of GPU memory: %s", message)
-            return Outcome.fail("gpu_out_of_memory", f"The GPU ran out of memory: {message}")
+            oom = f"The GPU ran out of memory: {message}"
+            return Outcome.fail(ErrorCode.GPU_OUT_OF_MEMORY, oom)
         ctx.log.error("fatal GPU error; the CUDA context is unusable: %s", message, exc_info=exc)
         return Outcome.lost(f"Fatal GPU error: {message}")
 
@@ -296,13 +321,14 @@ class Runner:
         try:
             text = result_json(value)
         except Exception as exc:  # noqa: BLE001 - any refusal (deep nesting too) is the result's fault
-            return Outcome.fail("invalid_result", f"The result is not JSON: {exc}.")
+            return Outcome.fail(ErrorCode.INVALID_RESULT, f"The result is not JSON: {exc}.")
         limit = min(self.max_result_bytes * items, MAX_CHUNK_RESULT_BYTES)
         if len(text) > limit:
             return Outcome.fail(
-                "result_too_large", f"The result is {len(text)} bytes; the limit is {limit}."
+                ErrorCode.RESULT_TOO_LARGE,
+                f"The result is {len(text)} bytes; the limit is {limit}.",
             )
-        return Outcome("finished", result_json=text)
+        return Outcome(RunEnd.FINISHED, result_json=text)
 
     def encode_chunk(
         self, args: list[Any], values: list[Any], errors: dict[str, dict[str, str]]
@@ -335,7 +361,7 @@ def item_failure(value: Any) -> dict[str, str] | None:
     if isinstance(value, TaskFailure):
         return {"code": value.code, "message": value.message}
     if isinstance(value, BaseException):
-        return {"code": "task_error", "message": f"{type(value).__name__}: {value}"}
+        return {"code": ErrorCode.TASK_ERROR, "message": f"{type(value).__name__}: {value}"}
     return None
 
 

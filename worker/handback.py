@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dispatcher.contract.jobs import ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reaper import Reaped, record_reaped
 from dispatcher.contract.scripts import ReleaseVerdict
@@ -30,7 +31,7 @@ def hand_back(
     Returns the release script's verdict (``released`` when it is queued again)."""
     verdict = broker.release(claimed, at_head=at_head, fault=fault)
     if verdict != "released":
-        reason = "gpu_fault" if fault is not None else "worker_lost"
+        reason = ErrorCode.GPU_FAULT if fault is not None else ErrorCode.WORKER_LOST
         record_reaped(
             [Reaped(claimed.task_id, claimed.cls, task_type, verdict, claimed.items)],
             recorder,

@@ -21,7 +21,7 @@ from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.batching import BatchRunner, batch_policies
 from worker.broker import Broker, Claimed
-from worker.execute import Outcome, Runner
+from worker.execute import Outcome, RunEnd, Runner
 from worker.gpu.budget import GpuBudget
 from worker.memory import rss_bytes
 from worker.report import Concluded, Reporter, wait_out
@@ -78,7 +78,7 @@ class WorkerLoop:
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
             claims = self._execute(claims)
         if claims:  # taken with the last report as the worker was told to stop
-            self.reporter.report([Concluded(c, Outcome("release"), None) for c in claims])
+            self.reporter.report([Concluded(c, Outcome(RunEnd.RELEASE), None) for c in claims])
         self._unpark()
 
     def _claim(self, was_idle: bool) -> list[Claimed] | None:
@@ -231,7 +231,7 @@ class WorkerLoop:
         """A GPU fault takes the worker out of service before the report: no task may be
         claimed on a broken CUDA context."""
         if (
-            outcome.status == "lost"
+            outcome.status == RunEnd.LOST
             and outcome.error
             and self.state.mark_unhealthy(outcome.error["message"])
         ):

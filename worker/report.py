@@ -25,15 +25,13 @@ from dispatcher.contract.connect import REFUSED_FOR_NOW, ReplicaLag, refused, wh
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed, Report
-from worker.execute import Outcome, RunningTask
+from worker.execute import RECORDED, Outcome, RunEnd, RunningTask
 from worker.handback import hand_back
 from worker.state import WorkerState
 
 __all__ = ["Concluded", "Reporter", "wait_out"]
 
 log = logging.getLogger("gpulane.worker")
-
-_FINAL = ("finished", "failed", "canceled")  # finish.lua records these; the rest go back
 
 
 def wait_out(backoff: Backoff, exc: RedisError, worker: str) -> None:
@@ -92,7 +90,7 @@ class Reporter:
         self.claimed = None
         self.claim_lost = False
         ended: list[int | None] = [None] * len(runs)
-        pending = [k for k, run in enumerate(runs) if run.outcome.status in _FINAL]
+        pending = [k for k, run in enumerate(runs) if run.outcome.status in RECORDED]
         if len(pending) < len(runs):
             claim_opts = None  # hand-backs go after the reports, and before any claim
         while pending:
@@ -106,13 +104,13 @@ class Reporter:
                 self.backoff.reset()
         # Last first: tasks handed back at the head of their queue keep their order.
         for run in reversed(runs):
-            if run.outcome.status == "abandon":
+            if run.outcome.status == RunEnd.ABANDON:
                 log.warning(
                     "task abandoned: its lease was lost; not reported",
                     extra={"worker": self.broker.name, "task": run.claimed.task_id},
                 )
                 continue
-            while run.outcome.status not in _FINAL:
+            while run.outcome.status not in RECORDED:
                 try:
                     self._hand_back(run)
                 except RedisError as exc:
@@ -200,13 +198,13 @@ class Reporter:
         """Give the task back: at the head (shutdown), at the tail (a retry), or after a
         GPU fault as a lost attempt (it may be the task's doing, so it must not get more
         tries than a task that kills its worker)."""
-        outcome, lost = run.outcome, run.outcome.status == "lost"
+        outcome, lost = run.outcome, run.outcome.status == RunEnd.LOST
         hand_back(
             self.broker,
             self.recorder,
             run.claimed,
             run.ctx.task_type if run.ctx else "-",
-            at_head=outcome.status != "retry",
+            at_head=outcome.status != RunEnd.RETRY,
             fault=outcome.error if lost else None,
             why="task handed back after a GPU fault"
             if lost

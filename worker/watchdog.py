@@ -25,6 +25,7 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 from dispatcher.contract.exits import EXIT_STUCK, EXIT_UNHEALTHY
+from dispatcher.contract.jobs import ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed
@@ -90,7 +91,7 @@ class Watchdog:
             "task did not stop after its device failed; handing it back and exiting",
             extra={"worker": self.state.name, "task": claimed.task_id},
         )
-        fault = {"code": "gpu_fault", "message": self.state.reason}
+        fault = {"code": ErrorCode.GPU_FAULT, "message": self.state.reason}
         why = "task handed back after a GPU fault"
         try:
             hand_back(
@@ -108,7 +109,7 @@ class Watchdog:
             extra={"worker": self.state.name, "task": claimed.task_id},
         )
         error = {
-            "code": "timeout",
+            "code": ErrorCode.TIMEOUT,
             "message": f"Ran past its timeout of {claimed.timeout_s:g} s and did not "
             "stop; its worker was restarted.",
         }

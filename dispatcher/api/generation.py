@@ -31,7 +31,7 @@ from dispatcher.api.store import Record, Submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract import keys
 from dispatcher.contract.generation import Kind, StreamEntry, estimate_tokens
-from dispatcher.contract.jobs import FINAL, TaskStatus, encode_call
+from dispatcher.contract.jobs import FINAL, ErrorCode, TaskStatus, encode_call
 from dispatcher.contract.scripts import options
 
 __all__ = [
@@ -243,15 +243,16 @@ def error_of(record: dict[str, Any] | None) -> ApiError:
         message = "The task's record is gone."
         return ApiError(503, "worker_lost", message, headers={"Retry-After": "1"})
     error = record.get("error") or {}
-    code, message = str(error.get("code", "task_error")), str(error.get("message", "failed"))
+    code = str(error.get("code", ErrorCode.TASK_ERROR))
+    message = str(error.get("message", "failed"))
     status = error.get("status")
     refused = isinstance(status, int) and 400 <= status < 500 and status != 429
-    if code == "backend_error" and refused:
+    if code == ErrorCode.BACKEND_ERROR and refused:
         assert isinstance(status, int)
         return ApiError(400 if status == 422 else status, "invalid_request", message)
-    if code == "timeout":
+    if code == ErrorCode.TIMEOUT:
         return ApiError(504, "timeout", message)
-    if code in ("worker_lost", "canceled"):
+    if code in (ErrorCode.WORKER_LOST, ErrorCode.CANCELED):
         return ApiError(503, code, message, headers={"Retry-After": "1"})
     return ApiError(502, code, message)
 

@@ -52,6 +52,7 @@ __all__ = [
     "RECORD_FIELDS",
     "Call",
     "CallRefused",
+    "ErrorCode",
     "FileMeta",
     "RqStatus",
     "TaskStatus",
@@ -60,6 +61,7 @@ __all__ = [
     "encode_call",
     "iso_ms",
     "json_bytes",
+    "lua_statuses",
     "record_from_fields",
 ]
 
@@ -74,6 +76,24 @@ class TaskStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELED = "canceled"
+
+
+class ErrorCode(StrEnum):
+    """The error codes gpulane itself gives a task (``error.code`` of its record); a
+    handler's own ``TaskFailure`` codes are its own."""
+
+    CANCELED = "canceled"
+    TIMEOUT = "timeout"
+    WORKER_LOST = "worker_lost"
+    GPU_FAULT = "gpu_fault"
+    GPU_OUT_OF_MEMORY = "gpu_out_of_memory"
+    INVALID_ARGS = "invalid_args"
+    INVALID_RESULT = "invalid_result"
+    RESULT_TOO_LARGE = "result_too_large"
+    REFUSED = "refused"
+    UNKNOWN_TASK_TYPE = "unknown_task_type"
+    TASK_ERROR = "task_error"
+    BACKEND_ERROR = "backend_error"
 
 
 # The statuses a task never leaves.
@@ -97,6 +117,13 @@ PUBLIC_STATUS: dict[str, TaskStatus] = {
 FINAL_STATUSES: frozenset[str] = frozenset(
     rq for rq, public in PUBLIC_STATUS.items() if public in FINAL
 )
+
+
+def lua_statuses() -> str:
+    """Lua's ``FINAL`` set, generated from :data:`FINAL_STATUSES` (the scripts'
+    prelude), so the scripts and the Python side cannot disagree on what is final."""
+    entries = ", ".join(f"{status} = true" for status in sorted(FINAL_STATUSES))
+    return f"local FINAL = {{{entries}}}\n"
 
 
 # What GET /tasks/<id> reads, in this order (get.lua takes the list as ARGV).

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from dispatcher.contract.jobs import ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.scripts import options
 from dispatcher.contract.settings import Settings
@@ -58,7 +59,7 @@ def parse_reaped(lines: list[Any]) -> list[Reaped]:
 
 
 def record_reaped(
-    reaped: list[Reaped], recorder: Recorder, why: str, reason: str = "worker_lost"
+    reaped: list[Reaped], recorder: Recorder, why: str, reason: str = ErrorCode.WORKER_LOST
 ) -> None:
     """Count and log tasks given back without a worker reporting them: by a reaper pass,
     or by a worker handing its task back. A requeued task counts in

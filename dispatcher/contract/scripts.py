@@ -30,7 +30,7 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from dispatcher.contract import keys
+from dispatcher.contract import jobs, keys
 
 __all__ = [
     "FLAGS",
@@ -114,7 +114,8 @@ def source(name: str) -> str:
     body = (lua / f"{name}.lua").read_text()
     flags = FLAGS.get(name)
     shebang = f"#!lua flags={flags}" if flags else "#!lua"
-    return f"{shebang}\n-- gpulane:{name}\n{keys.lua_prelude()}{prelude}\n{body}"
+    generated = keys.lua_prelude() + jobs.lua_statuses()
+    return f"{shebang}\n-- gpulane:{name}\n{generated}{prelude}\n{body}"
 
 
 def verdict(value: bytes | str, allowed: Any) -> Any:

@@ -29,14 +29,14 @@ from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.connect import REFUSED_FOR_NOW, refused, why_refused
-from dispatcher.contract.jobs import PUBLIC_STATUS
+from dispatcher.contract.jobs import PUBLIC_STATUS, ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.backend.client import Backend
 from worker.backend.relay import Relay, Stop
 from worker.backend.stream import StreamWriter
 from worker.broker import Broker, Claimed
-from worker.execute import Outcome, RunningTask
+from worker.execute import RECORDED, Outcome, RunEnd, RunningTask
 from worker.report import Concluded, Reporter
 from worker.state import WorkerState
 
@@ -186,10 +186,10 @@ class BackendLoop:
                 outcome = await relay.run()
             except Exception as exc:  # a relay bug must not strand the task
                 log.exception("relay failed", extra={**self._who, "task": claimed.task_id})
-                outcome = Outcome.fail("task_error", f"{type(exc).__name__}: {exc}")
+                outcome = Outcome.fail(ErrorCode.TASK_ERROR, f"{type(exc).__name__}: {exc}")
             finally:
                 await relay.writer.close()
-            if outcome.status == "release" and relay.stop is None:
+            if outcome.status == RunEnd.RELEASE and relay.stop is None:
                 self._probe_now.set()  # the connection broke: is the server gone?
             await asyncio.to_thread(self._report, claimed, outcome, relay)
         finally:
@@ -231,7 +231,7 @@ class BackendLoop:
             self.recorder.count(
                 "tokens", claimed.tenant or "-", model, "completion", n=usage.completion
             )
-        if outcome.status in ("finished", "failed", "canceled"):
+        if outcome.status in RECORDED:
             try:
                 self.broker.settle_tokens(claimed, usage.prompt + usage.completion if usage else 0)
             except RedisError as exc:  # the charge refills with time anyway

@@ -31,11 +31,11 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from dispatcher.contract.generation import Kind, StreamEntry, estimate_tokens
-from dispatcher.contract.jobs import CallRefused, decode_call
+from dispatcher.contract.jobs import CallRefused, ErrorCode, decode_call
 from dispatcher.contract.metrics import Recorder
 from worker.backend.client import Backend, BackendDown, BackendError
 from worker.backend.stream import Fenced, StreamWriter
-from worker.execute import Outcome, canceled
+from worker.execute import Outcome, RunEnd, canceled
 
 __all__ = ["BackendArgs", "Relay", "Stop", "Usage"]
 
@@ -102,7 +102,7 @@ class Relay:
             call = decode_call(self.claimed.data)
             args = BackendArgs.model_validate(call.args)
         except (CallRefused, ValidationError) as exc:
-            return Outcome.fail("invalid_args", f"Not a backend task: {str(exc)[:300]}")
+            return Outcome.fail(ErrorCode.INVALID_ARGS, f"Not a backend task: {str(exc)[:300]}")
         self.kind, self.model = args.kind, str(args.body.get("model", "-"))
         self.streaming = args.stream
         try:
@@ -112,21 +112,23 @@ class Relay:
                 return await self._whole(args)
         except TimeoutError:
             return await self._ended(
-                "timeout", f"Ran past its timeout of {self.claimed.timeout_s:g} s."
+                ErrorCode.TIMEOUT, f"Ran past its timeout of {self.claimed.timeout_s:g} s."
             )
         except asyncio.CancelledError:
             return await self._stopped()
         except BackendDown as exc:
             if not self.sent:
-                return Outcome("release")
+                return Outcome(RunEnd.RELEASE)
             return await self._ended(
-                "backend_error", f"The backend connection broke mid-stream: {exc}"
+                ErrorCode.BACKEND_ERROR, f"The backend connection broke mid-stream: {exc}"
             )
         except BackendError as exc:
-            error = {"code": "backend_error", "message": exc.message, "status": exc.status}
-            return await self._ended("backend_error", exc.message, Outcome("failed", error=error))
+            error = {"code": ErrorCode.BACKEND_ERROR, "message": exc.message, "status": exc.status}
+            return await self._ended(
+                ErrorCode.BACKEND_ERROR, exc.message, Outcome(RunEnd.FAILED, error=error)
+            )
         except Fenced:
-            return Outcome("abandon")
+            return Outcome(RunEnd.ABANDON)
 
     async def _whole(self, args: BackendArgs) -> Outcome:
         answer = await self.backend.call(args.kind, args.body)
@@ -136,14 +138,14 @@ class Relay:
             self.usage = Usage(
                 _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
             )
-        return Outcome("finished", result_json=orjson.dumps(answer).decode())
+        return Outcome(RunEnd.FINISHED, result_json=orjson.dumps(answer).decode())
 
     async def _stream(self, args: BackendArgs) -> Outcome:
         if self.claimed.attempt > 1 and await self.writer.written_before():
             # An earlier attempt's chunks reached the client (its worker was lost): a
             # generation started again would append a second answer to the first.
             return await self._ended(
-                "worker_lost", "The stream was cut when its worker was lost; not restarted."
+                ErrorCode.WORKER_LOST, "The stream was cut when its worker was lost; not restarted."
             )
         # Usage asked of every server: those that honour it (vLLM, SGLang, llama.cpp's
         # own server) send a last chunk with it; the API shows it only when asked.
@@ -182,9 +184,8 @@ class Relay:
         end = {"usage": self._usage_json(), "finish_reason": finish}
         await self.writer.put(StreamEntry.END, end)
         await self.writer.flush()
-        return Outcome(
-            "finished", result_json=orjson.dumps({"streamed": self.sent, **end}).decode()
-        )
+        result = orjson.dumps({"streamed": self.sent, **end}).decode()
+        return Outcome(RunEnd.FINISHED, result_json=result)
 
     async def _put(self, chunks: list[bytes]) -> None:
         """Queue the held chunks for the stream (emptying ``chunks``)."""
@@ -213,13 +214,13 @@ class Relay:
         if self.stop is Stop.CANCEL:
             return await self._ended("canceled", "Canceled while running.", canceled())
         if not self.sent:  # nothing reached the client: another backend runs it
-            return Outcome("release")
+            return Outcome(RunEnd.RELEASE)
         why = (
             "its backend stopped answering"
             if self.stop is Stop.BACKEND_DOWN
             else "its worker stopped"
         )
-        code = "backend_error" if self.stop is Stop.BACKEND_DOWN else "worker_lost"
+        code = ErrorCode.BACKEND_ERROR if self.stop is Stop.BACKEND_DOWN else ErrorCode.WORKER_LOST
         return await self._ended(code, f"The stream ended early: {why}.")
 
     async def _ended(self, code: str, message: str, outcome: Outcome | None = None) -> Outcome:
@@ -231,7 +232,7 @@ class Relay:
             await self.writer.put(StreamEntry.ERROR, outcome.error or {"code": code})
             await self.writer.flush()
         except Fenced:
-            return Outcome("abandon")
+            return Outcome(RunEnd.ABANDON)
         return outcome
 
 

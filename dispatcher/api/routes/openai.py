@@ -38,7 +38,7 @@ from dispatcher.api.store import Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.generation import Kind
-from dispatcher.contract.jobs import FINAL, TaskStatus, chunk_item
+from dispatcher.contract.jobs import FINAL, ErrorCode, TaskStatus, chunk_item
 from dispatcher.contract.strict_json import loads_strict
 
 __all__ = ["router"]
@@ -51,12 +51,12 @@ _FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 # A failed item's code -> the HTTP status of the whole request: the client's input
 # (400), the pool losing the worker (503, worth a retry), or the model failing on it
 # (502: the upstream, here the worker, failed).
-_ITEM_STATUS = {
-    "invalid_args": 400,
-    "worker_lost": 503,
-    "gpu_fault": 503,
-    "timeout": 503,
-    "canceled": 503,
+_ITEM_STATUS: dict[str, int] = {
+    ErrorCode.INVALID_ARGS: 400,
+    ErrorCode.WORKER_LOST: 503,
+    ErrorCode.GPU_FAULT: 503,
+    ErrorCode.TIMEOUT: 503,
+    ErrorCode.CANCELED: 503,
 }
 
 

@@ -1,8 +1,7 @@
 -- Helpers shared by every gpulane script. The loader (dispatcher/scripts.py) prepends
--- the key builders K.* generated from dispatcher/keys.py, then this file, then the
+-- the key builders K.* generated from dispatcher/keys.py and the FINAL set of RQ
+-- statuses generated from dispatcher/contract/jobs.py, then this file, then the
 -- script itself. All times come from Redis' clock so hosts with skewed clocks agree.
-
-local FINAL = {finished = true, failed = true, canceled = true, stopped = true}
 
 local function now_ms()
   local t = redis.call('TIME')
