@@ -3,7 +3,6 @@ HTTP, and real worker processes."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,6 @@ from typing import Any
 import httpx
 import pytest
 import redis
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))  # bench/, for its smoke test
-sys.path.insert(0, str(Path(__file__).parent / "support"))
-
 from support.catalog import publish_builtin_catalog
 
 from dispatcher.contract import keys
