@@ -12,7 +12,10 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.pool import ClassState
 from dispatcher.api.store import Submission, SubmitResult
 
-__all__ = ["backpressure", "over_limit", "refusal"]
+__all__ = ["REFUSED", "backpressure", "over_limit", "refusal"]
+
+# The verdicts of submit.lua that refusal() answers (429 or 503).
+REFUSED = frozenset({"queue_full", "no_workers", "over_quota", "device_quota"})
 
 
 def backpressure(depth: int, est: float | None, pressure: str) -> dict[str, str]:

@@ -21,8 +21,8 @@ from dispatcher.api.bulk import JSON_LINES, parse_bulk, split_item_id
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.api.pool import ClassState, Snapshot
+from dispatcher.api.refusals import REFUSED, refusal
 from dispatcher.api.refusals import backpressure as _backpressure
-from dispatcher.api.refusals import refusal
 from dispatcher.api.store import Record, Submission, SubmitResult, record_of
 from dispatcher.api.submission import content_type, json_body, parse_submission
 from dispatcher.api.waiters import unless_disconnected
@@ -142,7 +142,8 @@ def _class_headers(state: ClassState) -> dict[str, str]:
 async def _submit(
     svc: Services, sub: Submission, snap: Snapshot, records: list[Record]
 ) -> tuple[SubmitResult, ClassState]:
-    """Admit ``records`` (one task's, or a bulk's) for ``sub``'s tenant in its class."""
+    """Admit ``records`` (one task's, or a bulk's) for ``sub``'s tenant in its class;
+    what is accepted or refused is counted here, once."""
     state = snap.admitting(sub.cls, sub.task_type, sub.routed)
     result = await svc.store.submit_records(sub, records, state)
     if result.verdict == "no_workers":
@@ -151,6 +152,10 @@ async def _submit(
         fresh = await svc.pool.snapshot()
         state = fresh.admitting(sub.cls, sub.task_type, sub.routed)
         result = await svc.store.submit_records(sub, records, state)
+    if result.verdict == "accepted":
+        svc.recorder.count("submitted", sub.cls, sub.task_type, n=sum(r.items for r in records))
+    elif result.verdict in REFUSED:
+        svc.recorder.count("rejected", sub.cls, result.verdict)
     return result, state
 
 
@@ -184,8 +189,7 @@ async def submit_task(request: Request) -> JSONResponse:
             f"This Idempotency-Key was first used for another request (task {result.task_id}); "
             "use a new key for a new request.",
         )
-    if result.verdict in ("queue_full", "no_workers", "over_quota", "device_quota"):
-        svc.recorder.count("rejected", sub.cls, result.verdict)
+    if result.verdict in REFUSED:
         raise refusal(result, state, sub)
     headers = _accepted_headers(request, svc, result, state)
     wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
@@ -223,9 +227,8 @@ async def _submit_bulk(
     add_headers(request, _class_headers(snap.classes[sub.cls]))
     result, state = await _submit(svc, sub, snap, bulk.records)
     if result.verdict != "accepted":
-        svc.recorder.count("rejected", sub.cls, result.verdict)
         raise refusal(result, state, sub, bulk.items)
-    headers = _accepted_headers(request, svc, result, state, bulk.items)
+    headers = _accepted_headers(request, svc, result, state)
     est = result.estimated_wait_s
     answer = {
         "class": sub.cls,
@@ -238,16 +241,15 @@ async def _submit_bulk(
 
 
 def _accepted_headers(
-    request: Request, svc: Services, result: SubmitResult, state: ClassState, items: int = 1
+    request: Request, svc: Services, result: SubmitResult, state: ClassState
 ) -> dict[str, str]:
     """What every accepted submit answers with (a 202, a replay's 200, the final
     record's 200): its Location, then ``Idempotent-Replayed`` for a replay, else the
-    backpressure signals; a new task is counted here, once."""
+    backpressure signals."""
     headers = {**extra_headers(request), "Location": f"/tasks/{result.task_id}"}
     if result.verdict == "duplicate":
         headers["Idempotent-Replayed"] = "true"
         return headers
-    svc.recorder.count("submitted", result.cls, result.task_type, n=items)
     pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
     headers.update(_backpressure(result.depth, result.estimated_wait_s, pressure))
     return headers
