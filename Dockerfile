@@ -10,6 +10,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY dispatcher ./dispatcher
 COPY worker ./worker
+COPY gpulane.py ./
 RUN pip install . && useradd --create-home --uid 1000 gpulane
 
 USER gpulane

@@ -43,7 +43,7 @@ screenshot: $(VENV)/.dev-deps ## regenerate docs/dashboard.png from the dashboar
 lint: $(VENV)/.dev-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy dispatcher worker testkit bench tests/support
+	$(BIN)/mypy dispatcher worker testkit bench tests/support gpulane.py
 
 fmt: $(VENV)/.dev-deps
 	$(BIN)/ruff format .

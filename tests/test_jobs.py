@@ -26,11 +26,15 @@ def test_round_trip() -> None:
     assert payload == [ENTRY_POINT, None, ["echo", {}], {}]  # what RQ's JSONSerializer reads
 
 
-def test_entry_point_resolves_to_the_worker_function() -> None:
-    from worker import entry
+def test_entry_points_resolve_to_the_refusing_function() -> None:
+    # What RQ's import_attribute would find for the tag and for older jobs' name.
+    import importlib
 
-    module, _, name = ENTRY_POINT.rpartition(".")
-    assert module == entry.__name__ and callable(getattr(entry, name))
+    from dispatcher.contract.jobs import LEGACY_ENTRY_POINTS
+
+    for entry in (ENTRY_POINT, *LEGACY_ENTRY_POINTS):
+        module, _, name = entry.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), name)), entry
 
 
 @pytest.mark.parametrize(

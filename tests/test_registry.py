@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.jobs import ENTRY_POINT, decode_call, encode_call
+from gpulane import run
 from worker.batching import BatchRunner
 from worker.broker import Claimed
-from worker.entry import run
+from worker.entry import run as legacy_run
 from worker.execute import Interrupts, Outcome, Runner
 from worker.registry import Batch, Registry
 
@@ -58,10 +59,22 @@ def test_file_required() -> None:
 
 
 def test_the_entry_point_refuses_a_plain_rq_worker() -> None:
-    """RQ's worker would import and call worker.entry.run: a clear failure, not a task
-    run without a gpulane worker's checks."""
-    with pytest.raises(RuntimeError, match="must run in a gpulane worker"):
-        run("math.double", {"n": 1})
+    """RQ's worker would import and call the job's entry (gpulane.run, or an older job's
+    worker.entry.run): a clear failure, not a task run without a gpulane worker's checks."""
+    for entry in (run, legacy_run):
+        with pytest.raises(RuntimeError, match="must run in a gpulane worker"):
+            entry("math.double", {"n": 1})
+
+
+def test_jobs_name_the_stable_tag_and_older_jobs_still_decode() -> None:
+    import json
+    import zlib
+
+    assert ENTRY_POINT == "gpulane.run"  # a name of its own, not a module path
+    assert json.loads(zlib.decompress(encode_call("echo", {"x": 1})))[0] == "gpulane.run"
+    old = zlib.compress(json.dumps(["worker.entry.run", None, ["echo", {"x": 1}], {}]).encode())
+    call = decode_call(old)
+    assert (call.task_type, call.args) == ("echo", {"x": 1})
 
 
 @pytest.mark.parametrize("name", ["", "Echo", "a..b", "1x", "x" * 65, "shell exec"])

@@ -1,23 +1,10 @@
-"""The function every gpulane job names (:data:`dispatcher.contract.jobs.ENTRY_POINT`).
-
-Jobs never name the code to run: they name ``worker.entry.run`` with a task type as
-data, and a gpulane worker decodes that call itself and runs only types in its
-registry (invariant 3; :class:`worker.batching.BatchRunner`, the one run path). The
-name is kept so the jobs stay RQ jobs (``rq info``, rq-dashboard and KEDA read them);
-a plain ``rq worker`` that takes one and calls this function gets a clear failure
-instead of a task run without its worker's checks, leases and device.
-"""
+"""``worker.entry.run``: the entry point jobs named before the stable tag
+``gpulane.run`` (:data:`dispatcher.contract.jobs.ENTRY_POINT`). Jobs still queued from
+those versions run as before (:data:`dispatcher.contract.jobs.LEGACY_ENTRY_POINTS`), and
+a plain ``rq worker`` calling this gets the same refusal as the tag's."""
 
 from __future__ import annotations
 
-from typing import Any
+from gpulane import run
 
 __all__ = ["run"]
-
-
-def run(task_type: str, args: dict[str, Any], **_: Any) -> Any:
-    """Refuse: gpulane tasks run in gpulane workers (``gpulane worker``)."""
-    raise RuntimeError(
-        f"gpulane task {task_type!r} must run in a gpulane worker (gpulane worker), "
-        "not in a plain RQ worker"
-    )

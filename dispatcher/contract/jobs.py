@@ -2,15 +2,19 @@
 
 A task is an RQ job (``rq:job:<id>``) written in RQ's own format with RQ's JSON
 serializer, so ``rq.job.Job.fetch(id, serializer=JSONSerializer)`` reads it. Its
-``data`` is always a call of one fixed entry point, :data:`ENTRY_POINT`, with the task
-type as data::
+``data`` is always a call of one fixed entry tag, :data:`ENTRY_POINT` (``gpulane.run``, a
+name of its own, not a module path: renaming packages never touches stored jobs), with
+the task type as data::
 
-    zlib(json(["worker.entry.run", null, [<type>, <args>], {"file": <meta> | absent}]))
+    zlib(json(["gpulane.run", null, [<type>, <args>], {"file": <meta> | absent}]))
 
 A *chunk* (several items of one batched type travelling as one record, see
 ``docs/design.md`` §4) calls it with its items' args instead, and ``args`` empty::
 
-    zlib(json(["worker.entry.run", null, [<type>, {}], {"items": [<args>, ...]}]))
+    zlib(json(["gpulane.run", null, [<type>, {}], {"items": [<args>, ...]}]))
+
+Jobs written before the tag name ``worker.entry.run`` (:data:`LEGACY_ENTRY_POINTS`),
+and still run.
 
 Workers refuse any other call (invariant 3): nothing names a function to run.
 
@@ -48,6 +52,7 @@ __all__ = [
     "ENTRY_POINT",
     "FINAL",
     "FINAL_STATUSES",
+    "LEGACY_ENTRY_POINTS",
     "PUBLIC_STATUS",
     "RECORD_FIELDS",
     "Call",
@@ -65,7 +70,8 @@ __all__ = [
     "record_from_fields",
 ]
 
-ENTRY_POINT = "worker.entry.run"
+ENTRY_POINT = "gpulane.run"
+LEGACY_ENTRY_POINTS = frozenset({"worker.entry.run"})  # what older versions wrote
 
 
 class TaskStatus(StrEnum):
@@ -219,7 +225,7 @@ def decode_call(data: bytes) -> Call:
     if not (isinstance(payload, list) and len(payload) == 4):
         raise CallRefused("job data is not an RQ call")
     func, instance, args, kwargs = payload
-    if func != ENTRY_POINT or instance is not None:
+    if (func != ENTRY_POINT and func not in LEGACY_ENTRY_POINTS) or instance is not None:
         raise CallRefused(f"job calls {func!r}; workers run only {ENTRY_POINT!r}")
     if not (
         isinstance(args, list)
