@@ -22,11 +22,12 @@ import orjson
 from redis.exceptions import RedisError
 from starlette.types import Receive
 
+from dispatcher.api.admit import admit
 from dispatcher.api.auth import Principal
 from dispatcher.api.catalog import TaskTypeInfo
 from dispatcher.api.deps import Services
 from dispatcher.api.errors import ApiError
-from dispatcher.api.refusals import over_limit, refusal
+from dispatcher.api.refusals import over_limit
 from dispatcher.api.store import Record, Submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract import keys
@@ -165,22 +166,14 @@ async def submit(
         routed=True,
         **principal.terms(),
     )
-    state = (await svc.pool.cached()).admitting(cls, info.name, True)
-    if state.workers == 0:  # the cached snapshot may predate a backend that just came up
-        state = (await svc.pool.snapshot()).admitting(cls, info.name, True)
     charge = _charge(kind, body, svc.settings.default_max_tokens)
     charged = await _take_tokens(svc, principal, charge)
     record = Record(info.name, encode_call(info.name, args), timeout_s, routed=True, tpm=charged)
     try:
-        result = await svc.store.submit_records(sub, [record], state)
-    except (RedisError, ApiError):
+        await admit(svc, sub, [record])
+    except (RedisError, ApiError):  # refused: its charge goes back
         await _give_back(svc, principal, charged)
         raise
-    if result.verdict != "accepted":
-        await _give_back(svc, principal, charged)
-        svc.recorder.count("rejected", cls, result.verdict)
-        raise refusal(result, state, sub)
-    svc.recorder.count("submitted", cls, info.name)
     options_ = body.get("stream_options")
     usage = isinstance(options_, dict) and options_.get("include_usage") is True
     return Generation(record.task_id, str(body["model"]), kind, usage, int(time.time()))

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from dispatcher.api import generation
+from dispatcher.api.admit import admit
 from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import Packer, fits_ever
 from dispatcher.api.deps import Services, caller, extra_headers, services
@@ -33,7 +34,6 @@ from dispatcher.api.errors import ApiError, store_failure
 from dispatcher.api.openai_shape import invalid as _invalid
 from dispatcher.api.openai_shape import openai_error as _openai_error
 from dispatcher.api.openai_shape import responses as _errors
-from dispatcher.api.refusals import refusal
 from dispatcher.api.store import Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
@@ -169,9 +169,6 @@ async def _submit_all(
     if not principal.may_use(cls):
         message = f"This key may not use class {cls!r}, which serves /v1/embeddings."
         raise ApiError(403, "forbidden", message)
-    state = (await svc.pool.cached()).classes[cls]
-    if state.workers == 0:  # the cached snapshot may predate a worker that just came up
-        state = (await svc.pool.snapshot()).classes[cls]
     timeout_s = svc.settings.class_timeout_s(cls)
     info = await svc.catalog.lookup(task_type)
     # A type declaring more GPU memory than any card has is a 422, as for POST /tasks.
@@ -182,17 +179,20 @@ async def _submit_all(
         packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
     records, _ = packer.done()
     sub = Submission(
-        task_type, cls, {}, timeout_s, principal.tenant, gpu_memory_mb=gpu_mb, **principal.terms()
+        task_type,
+        cls,
+        {},
+        timeout_s,
+        principal.tenant,
+        gpu_memory_mb=gpu_mb,
+        routed=bool(info and info.backend),
+        **principal.terms(),
     )
     try:
         fits_ever(len(texts), len(records), sub, svc.settings)
     except ApiError as exc:  # no retry could fit it: OpenAI's 400 on `input`
         raise _invalid(f"'input': {exc.message}", "input") from None
-    result = await svc.store.submit_records(sub, records, state)
-    if result.verdict != "accepted":
-        svc.recorder.count("rejected", cls, result.verdict)
-        raise refusal(result, state, sub, len(texts))
-    svc.recorder.count("submitted", cls, task_type, n=len(texts))
+    await admit(svc, sub, records)
     return [r.task_id for r in records]
 
 

@@ -16,19 +16,19 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from dispatcher.api import admission
+from dispatcher.api.admit import admit
 from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import JSON_LINES, parse_bulk, split_item_id
 from dispatcher.api.deps import Services, add_headers, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, error_responses
-from dispatcher.api.pool import ClassState, Snapshot
-from dispatcher.api.refusals import REFUSED, refusal
+from dispatcher.api.pool import ClassState
 from dispatcher.api.refusals import backpressure as _backpressure
-from dispatcher.api.store import Record, Submission, SubmitResult, record_of
+from dispatcher.api.store import SubmitResult, record_of
 from dispatcher.api.submission import content_type, json_body, parse_submission
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, chunk_item
 
-__all__ = ["refusal", "router"]
+__all__ = ["router"]
 
 router = APIRouter()
 log = logging.getLogger("gpulane.api")
@@ -139,26 +139,6 @@ def _class_headers(state: ClassState) -> dict[str, str]:
     return _backpressure(state.depth, state.estimated_wait_s, state.pressure)
 
 
-async def _submit(
-    svc: Services, sub: Submission, snap: Snapshot, records: list[Record]
-) -> tuple[SubmitResult, ClassState]:
-    """Admit ``records`` (one task's, or a bulk's) for ``sub``'s tenant in its class;
-    what is accepted or refused is counted here, once."""
-    state = snap.admitting(sub.cls, sub.task_type, sub.routed)
-    result = await svc.store.submit_records(sub, records, state)
-    if result.verdict == "no_workers":
-        # The cached snapshot may predate a worker that just registered (or one with a
-        # bigger card): look again before refusing. Refusals only pay it.
-        fresh = await svc.pool.snapshot()
-        state = fresh.admitting(sub.cls, sub.task_type, sub.routed)
-        result = await svc.store.submit_records(sub, records, state)
-    if result.verdict == "accepted":
-        svc.recorder.count("submitted", sub.cls, sub.task_type, n=sum(r.items for r in records))
-    elif result.verdict in REFUSED:
-        svc.recorder.count("rejected", sub.cls, result.verdict)
-    return result, state
-
-
 @router.post(
     "/tasks",
     status_code=202,
@@ -181,7 +161,7 @@ async def submit_task(request: Request) -> JSONResponse:
             return await _submit_bulk(request, svc, principal, raw, kind in JSON_LINES)
     sub = await parse_submission(request, principal, svc.settings, svc.catalog, raw)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
-    result, state = await _submit(svc, sub, snap, [record_of(sub)])
+    result, state = await admit(svc, sub, [record_of(sub)])
     if result.verdict == "idempotency_key_reused":
         raise ApiError(
             422,
@@ -189,8 +169,6 @@ async def submit_task(request: Request) -> JSONResponse:
             f"This Idempotency-Key was first used for another request (task {result.task_id}); "
             "use a new key for a new request.",
         )
-    if result.verdict in REFUSED:
-        raise refusal(result, state, sub)
     headers = _accepted_headers(request, svc, result, state)
     wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
     if wait_s is not None:
@@ -225,9 +203,7 @@ async def _submit_bulk(
     sub = bulk.sub
     snap = await svc.pool.cached()
     add_headers(request, _class_headers(snap.classes[sub.cls]))
-    result, state = await _submit(svc, sub, snap, bulk.records)
-    if result.verdict != "accepted":
-        raise refusal(result, state, sub, bulk.items)
+    result, state = await admit(svc, sub, bulk.records)
     headers = _accepted_headers(request, svc, result, state)
     est = result.estimated_wait_s
     answer = {
