@@ -231,7 +231,9 @@ class Recording(httpx.HTTPTransport):
 
 
 def test_client_retries_429(api_with: Callable[..., httpx.Client]) -> None:
-    http = api_with(tenants=[_tenant("acme", rate=2, burst=1)])
+    # A token every 2 s: the second submit finds the bucket empty even on a loaded
+    # machine (at rate 2 a half-second stall between the submits refilled it).
+    http = api_with(tenants=[_tenant("acme", rate=0.5, burst=1)])
     transport = Recording()
     with Client(str(http.base_url), KEYS["acme"], transport=transport) as client:
         first = client.submit("echo", {"n": 1})
