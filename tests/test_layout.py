@@ -1,10 +1,12 @@
 """The layout keeps its promises: workers never load the API, the shared contract never
-loads FastAPI, and the sync and async clients offer the same methods."""
+loads FastAPI, the sync and async clients offer the same methods, and docs/design.md's
+module map names every module."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import re
 import subprocess
 import sys
 
@@ -83,3 +85,39 @@ def test_sync_and_async_clients_stay_in_step() -> None:
     for name, signature in sync.items():
         assert str(signature) == str(async_[name]), name
         assert inspect.iscoroutinefunction(getattr(AsyncClient, name)), name
+
+
+def _module_map() -> set[str]:
+    """The modules docs/design.md's module map names, as paths (its tree: a name ending
+    in / opens a folder at its indentation, a .py name is a module of the folders
+    open above it; text further right is the description)."""
+    doc = (REPO / "docs" / "design.md").read_text()
+    block = doc[doc.index("### Module layout") : doc.index("Dependency rules")]
+    block = block[block.index("```") + 3 :]
+    block = block[: block.index("```")]
+    named: set[str] = set()
+    folders: list[tuple[int, str]] = []
+    for line in block.splitlines():
+        match = re.match(r"^(\s*)(\S+)", line)
+        if match is None or len(match.group(1)) >= 17:  # a description's next line
+            continue
+        indent, name = len(match.group(1)), match.group(2)
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        if name.endswith("/"):
+            folders.append((indent, name))
+        elif name.endswith(".py"):
+            named.add("".join(folder for _, folder in folders) + name)
+    return named
+
+
+def test_the_module_map_names_every_module() -> None:
+    modules = {
+        path.relative_to(REPO).as_posix()
+        for top in ("dispatcher", "worker")
+        for path in (REPO / top).rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    named = _module_map()
+    assert modules - named == set(), "modules missing from docs/design.md's module map"
+    assert named - modules - {"gpulane.py"} == set(), "the map names modules that are gone"
