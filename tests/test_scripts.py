@@ -220,3 +220,27 @@ def test_every_script_declares_its_flags() -> None:
         first = source(name).splitlines()[0]
         assert first == (f"#!lua flags={FLAGS[name]}" if name in FLAGS else "#!lua"), name
     assert FLAGS["get"] == "no-writes"
+
+
+def test_each_script_carries_only_the_helpers_it_uses() -> None:
+    from importlib import resources
+
+    from dispatcher.contract import lualib
+    from dispatcher.contract.scripts import NAMES, source
+
+    carried = {name: source(name) for name in NAMES}
+    assert "local function lose(" not in carried["get"]  # a read carries no requeue
+    assert "local function rq_publish(" not in carried["get"]
+    assert "local function fair_ahead(" in carried["get"]  # but its position's helper
+    assert "local function reap_worker(" in carried["reap"]
+    lua = resources.files("dispatcher.contract") / "lua"
+    for name, text in carried.items():
+        # Every helper the script, or a library it carries, calls is defined in it.
+        libs = lualib.libraries_for((lua / f"{name}.lua").read_text())
+        mentioned = lualib._mentions((lua / f"{name}.lua").read_text())
+        for lib in libs:
+            mentioned |= lualib._mentions(lualib.text(lib))
+        for lib in lualib.LIBRARIES:
+            for helper in lualib.defined(lib) & mentioned:
+                defines = (f"local function {helper}(", f"local {helper} =")
+                assert any(d in text for d in defines), (name, helper)

@@ -1,8 +1,9 @@
 """gpulane's Lua scripts: loaded from ``dispatcher/contract/lua/*.lua`` and registered once.
 
-Each script's text is the key builders from :mod:`dispatcher.contract.keys`, then
-``_prelude.lua``, then the script. Every multi-key change gpulane makes goes through
-one of them, so it is atomic. Calls use ``EVALSHA``; redis-py reloads a script by
+Each script's text is the key builders from :mod:`dispatcher.contract.keys` and the
+final statuses from :mod:`dispatcher.contract.jobs`, then the helper libraries it uses
+(:mod:`dispatcher.contract.lualib`), then the script. Every multi-key change gpulane
+makes goes through one of them, so it is atomic. Calls use ``EVALSHA``; redis-py reloads a script by
 itself after ``NOSCRIPT`` (a restarted or flushed Redis).
 
 Options travel as one JSON object in ``ARGV[1]`` (readable Lua, no positional soup);
@@ -30,7 +31,7 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from dispatcher.contract import jobs, keys
+from dispatcher.contract import jobs, keys, lualib
 
 __all__ = [
     "FLAGS",
@@ -109,13 +110,12 @@ FLAGS = {
 @cache
 def source(name: str) -> str:
     """Full text of script ``name`` as sent to Redis (its flags on the first line)."""
-    lua = resources.files("dispatcher.contract") / "lua"
-    prelude = (lua / "_prelude.lua").read_text()
-    body = (lua / f"{name}.lua").read_text()
+    body = (resources.files("dispatcher.contract") / "lua" / f"{name}.lua").read_text()
     flags = FLAGS.get(name)
     shebang = f"#!lua flags={flags}" if flags else "#!lua"
     generated = keys.lua_prelude() + jobs.lua_statuses()
-    return f"{shebang}\n-- gpulane:{name}\n{generated}{prelude}\n{body}"
+    helpers = "\n".join(lualib.text(lib) for lib in lualib.libraries_for(body))
+    return f"{shebang}\n-- gpulane:{name}\n{generated}{helpers}\n{body}"
 
 
 def verdict(value: bytes | str, allowed: Any) -> Any:

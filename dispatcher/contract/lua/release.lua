@@ -2,7 +2,7 @@
 -- the grace period, at the tail to retry it after a handler error its type allows to
 -- retry. Neither counts as a lost attempt. With `fault` ({code, message}: a fatal GPU
 -- error, or its device stopped answering) it counts as one, exactly like a dead
--- worker's task (lose() in _prelude.lua), so a task that breaks every GPU still ends.
+-- worker's task (lose() in lib/loss.lua), so a task that breaks every GPU still ends.
 -- A release from an attempt a later claim superseded is fenced (see the prelude).
 -- ARGV[1]: {id, worker, class, attempt, classes, at_head, fault?, ttl_s, max_attempts}.
 -- Returns 'released', 'canceled' (a cancel was requested), with a fault 'requeued',
