@@ -38,6 +38,14 @@ local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_fi
 local RUN_FIELDS = {unpack(FIELDS)}
 RUN_FIELDS[#RUN_FIELDS + 1] = 'worker_name'
 RUN_FIELDS[#RUN_FIELDS + 1] = 'started_ms'
+
+-- Task `id`'s record fields `names` (FIELDS, RUN_FIELDS), by name.
+local function read(id, names)
+  local values = redis.call('HMGET', K.job(id), unpack(names))
+  local f = {}
+  for i, name in ipairs(names) do f[name] = values[i] end
+  return f
+end
 local SCAN = 32 -- tasks looked at past one that does not fit this worker's GPU
 local MAX_LANES = 64 -- lanes looked at when none of the first has a task that fits
 local budget = 64 -- task records one claim reads past unfitting heads, in all
@@ -56,11 +64,11 @@ local function may_take(gpu_mb, task_type, route)
 end
 
 local function fits(f)
-  return may_take(f[8], f[7], f[11])
+  return may_take(f.gpu_mb, f.type, f.route)
 end
 
 local function live(f)
-  return f[1] == 'queued' and f[2]
+  return f.status == 'queued' and f.data
 end
 
 -- The first task of list `key` this worker may run: the head or, when the head does
@@ -71,7 +79,7 @@ local function first_fit(key)
   while true do
     local id = redis.call('LINDEX', key, 0)
     if not id then return nil end
-    local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
+    local f = read(id, FIELDS)
     if live(f) then
       if fits(f) then return id, f, 0 end
       break
@@ -81,7 +89,7 @@ local function first_fit(key)
   if budget <= 0 then return nil end
   for i, id in ipairs(redis.call('LRANGE', key, 1, math.min(SCAN, budget))) do
     budget = budget - 1
-    local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
+    local f = read(id, FIELDS)
     if live(f) and fits(f) then return id, f, i end
   end
   return nil
@@ -93,7 +101,7 @@ local function peek_lanes(c, active)
     local t, tag = active[i], tonumber(active[i + 1])
     local key = K.lane(c, t)
     local id, f, index = first_fit(key)
-    if id then return {c, id, f, index, t, tag} end
+    if id then return {cls = c, id = id, f = f, index = index, lane = t, tag = tag} end
     if redis.call('LLEN', key) == 0 then lane_idle(c, t, tag) end -- held stale ids only
     budget = budget - 1 -- a lane's head read
     if budget <= 0 then return nil end
@@ -102,26 +110,32 @@ local function peek_lanes(c, active)
 end
 
 -- The head of class c moved into the in-flight list at once (the common case costs what
--- a plain dequeue does), with its fields: {c, id, f, index in its lane (unknown),
--- lane, tag (unknown), moved = true}, or nil when the class is empty. A caller that
--- does not take it calls unpeek.
+-- a plain dequeue does), as a pick (see peek) with `moved` set (its index in its lane
+-- and its tag unknown), or nil when the class is empty. A caller that does not take it
+-- calls unpeek.
 local function peek_head(c)
   local qk, ik = K.queue(c), K.inflight(w, c)
   while true do
     local id = redis.call('LMOVE', qk, ik, 'LEFT', 'RIGHT')
     if not id then return nil end
-    local f = redis.call('HMGET', K.job(id), unpack(FIELDS))
-    if live(f) then return {c, id, f, false, f[9] ~= '' and f[9] or false, false, true} end
+    local f = read(id, FIELDS)
+    if live(f) then
+      return {cls = c, id = id, f = f, index = false, lane = f.lane ~= '' and f.lane or false,
+        tag = false, moved = true}
+    end
     redis.call('LREM', ik, -1, id) -- stale: record expired or already final
   end
 end
 
 -- Put a peeked task that is not taken after all back at the head of its class.
 local function unpeek(p)
-  if p[7] then redis.call('LMOVE', K.inflight(w, p[1]), K.queue(p[1]), 'RIGHT', 'LEFT') end
+  if p.moved then redis.call('LMOVE', K.inflight(w, p.cls), K.queue(p.cls), 'RIGHT', 'LEFT') end
 end
 
--- The task a claim on class c would take: {c, id, f, index, lane, tag, moved, head}.
+-- The task a claim on class c would take, a pick: {cls, id, f (its FIELDS by name),
+-- index (in its lane; 0: the head; false: unknown), lane (its tenant, or false), tag
+-- (its lane's start tag, or false: read it), moved (already in the in-flight list),
+-- head ({id, created_ms} of the class list's head, when known)}.
 -- The head if it has no lane and fits; else, under fair share (a laned head), the
 -- lanes' first fit; else the first fit past the head. While the others are looked at,
 -- the head stays in the in-flight list (so the class list starts past it); it is put
@@ -129,47 +143,47 @@ end
 local function peek(c)
   local head = peek_head(c)
   if not head then return nil end
-  if not head[5] and fits(head[3]) then return head end
+  if not head.lane and fits(head.f) then return head end
   local p
   local active = redis.call('ZRANGE', K.lanes(c), 0, MAX_LANES - 1, 'WITHSCORES')
   if #active > 0 then
     p = peek_lanes(c, active)
-  elseif fits(head[3]) then -- a lane-tagged head with no lanes left (lost keys): serve it
-    head[5] = false
+  elseif fits(head.f) then -- a lane-tagged head with no lanes left (lost keys): serve it
+    head.lane = false
     return head
   else
     local id, f, index = first_fit(K.queue(c))
-    if id then p = {c, id, f, index, false, false} end
+    if id then p = {cls = c, id = id, f = f, index = index, lane = false, tag = false} end
   end
-  if p and p[2] == head[2] then p[7] = true; return p end -- the head after all: moved
+  if p and p.id == head.id then p.moved = true; return p end -- the head after all: moved
   unpeek(head)
-  if p then p[8] = {head[2], head[3][5]} end
+  if p then p.head = {id = head.id, created_ms = head.f.created_ms} end
   return p
 end
 
 -- Take the peeked task: out of its lists into the in-flight list; charge its tenant.
 -- Returns what its tenant was charged (nil: no lane).
 local function take(p, now)
-  local c, id, f, index, t, tag, moved = p[1], p[2], p[3], p[4], p[5], p[6], p[7]
+  local c, id, f, t = p.cls, p.id, p.f, p.lane
   local ik = K.inflight(w, c)
   if t then
     local key = K.lane(c, t)
-    local removed = index == 0 and redis.call('LPOP', key) or redis.call('LREM', key, 1, id) > 0
-    if removed then lane_extra(c, t, -extra(f[10])) end
+    local removed = p.index == 0 and redis.call('LPOP', key) or redis.call('LREM', key, 1, id) > 0
+    if removed then lane_extra(c, t, -extra(f.items)) end
   end
-  if not moved then
+  if not p.moved then
     if t then
-      unlist(c, id, f[5], now, f[10], p[8])
+      unlist(c, id, f.created_ms, now, f.items, p.head)
     elseif redis.call('LREM', K.queue(c), 1, id) > 0 then
-      class_extra(c, -extra(f[10]))
+      class_extra(c, -extra(f.items))
     end
     redis.call('RPUSH', ik, id)
   else
-    class_extra(c, -extra(f[10]))
+    class_extra(c, -extra(f.items))
   end
   if t then
-    return charge(c, t, tag or tonumber(redis.call('ZSCORE', K.lanes(c), t)), f[10], f[7],
-      o.fair_time)
+    local tag = p.tag or tonumber(redis.call('ZSCORE', K.lanes(c), t))
+    return charge(c, t, tag, f.items, f.type, o.fair_time)
   end
   return nil
 end
@@ -191,15 +205,15 @@ end
 -- A task as the worker receives it (broker.Claimed), from its FIELDS.
 local function handed(id, c, f, attempts, started_ms)
   local file = false
-  if f[6] == '1' then file = redis.call('GET', K.file(id)) end
-  return {id, c, f[2], attempts, f[4] or '', f[5] or '', started_ms, file, f[7] or '',
-    tonumber(f[10]) or 1, f[12] or ''}
+  if f.has_file == '1' then file = redis.call('GET', K.file(id)) end
+  return {id, c, f.data, attempts, f.timeout_s or '', f.created_ms or '', started_ms, file,
+    f.type or '', tonumber(f.items) or 1, f.tenant or ''}
 end
 
 local function start(p, now)
   local charged = take(p, now)
-  local id, c, f = p[2], p[1], p[3]
-  local attempts = (tonumber(f[3]) or 0) + 1
+  local id, c, f = p.id, p.cls, p.f
+  local attempts = (tonumber(f.attempts) or 0) + 1
   local ts = iso(now)
   -- fc: what fair share charged this run, which its finish settles with the device
   -- time measured (0 without a lane: nothing to settle).
@@ -215,8 +229,8 @@ end
 local function higher_queued(i)
   for j = 1, i - 1 do
     local head = redis.call('LINDEX', K.queue(o.classes[j]), 0)
-    local f = head and redis.call('HMGET', K.job(head), 'gpu_mb', 'type', 'route')
-    if f and may_take(f[1], f[2], f[3]) then return true end
+    local f = head and read(head, {'gpu_mb', 'type', 'route'})
+    if f and may_take(f.gpu_mb, f.type, f.route) then return true end
   end
   return false
 end
@@ -228,8 +242,8 @@ local function take_same(c, t, room, now, out)
   while room > 0 do
     local p = peek(c)
     if not p then return false end
-    local n = tonumber(p[3][10]) or 1
-    if p[3][7] ~= t or n > room then unpeek(p); return true end
+    local n = tonumber(p.f.items) or 1
+    if p.f.type ~= t or n > room then unpeek(p); return true end
     out[#out + 1] = start(p, now)
     room = room - n
   end
@@ -282,9 +296,9 @@ if o.redeliver then
   for _, c in ipairs(o.classes) do
     local out = {}
     for _, id in ipairs(redis.call('LRANGE', K.inflight(w, c), 0, -1)) do
-      local f = redis.call('HMGET', K.job(id), unpack(RUN_FIELDS))
-      if f[1] == 'started' and f[#FIELDS + 1] == w then
-        out[#out + 1] = handed(id, c, f, tonumber(f[3]), tonumber(f[#FIELDS + 2]))
+      local f = read(id, RUN_FIELDS)
+      if f.status == 'started' and f.worker_name == w then
+        out[#out + 1] = handed(id, c, f, tonumber(f.attempts), tonumber(f.started_ms))
       end
     end
     if #out > 0 then return out end
@@ -299,12 +313,12 @@ for i, c in ipairs(o.classes) do
     -- Promotion takes the aged task itself (the lower class's head), never a younger
     -- one fair order or placement would pick; one this worker cannot hold stays.
     local aged = older and peek_head(older)
-    if aged and not fits(aged[3]) then unpeek(aged); aged = nil end
+    if aged and not fits(aged.f) then unpeek(aged); aged = nil end
     if aged then
       unpeek(p)
       return {start(aged, now)} -- higher class queued: no batch
     end
-    return with_batch(start(p, now), c, p[3][7], now)
+    return with_batch(start(p, now), c, p.f.type, now)
   end
 end
 

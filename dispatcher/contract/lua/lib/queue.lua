@@ -18,16 +18,17 @@ end
 -- Remove `id` (created at `created_ms`, holding `items`) from the class list, scanning
 -- from the end it is nearer by age: a fair claim takes tasks from anywhere in a long
 -- backlog, and a scan from the wrong end would cost in proportion to the whole
--- backlog. `known`: the list's head {id, created_ms} when the caller has just read it.
+-- backlog. `known`: the list's head {id =, created_ms =} when the caller has just
+-- read it.
 local function unlist(cls, id, created_ms, now, items, known)
   local qk = K.queue(cls)
-  local head = known and known[1] or redis.call('LINDEX', qk, 0)
+  local head = known and known.id or redis.call('LINDEX', qk, 0)
   if head == id then
     redis.call('LPOP', qk)
     class_extra(cls, -extra(items))
     return
   end
-  local oldest = known and tonumber(known[2])
+  local oldest = known and tonumber(known.created_ms)
     or head and tonumber(redis.call('HGET', K.job(head), 'created_ms'))
   local age = now - (tonumber(created_ms) or now)
   local from_tail = oldest and age * 2 < now - oldest
