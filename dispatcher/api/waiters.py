@@ -242,7 +242,7 @@ class Waiters:
                     self._wake_all()
         finally:
             with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
 
 
 async def _disconnect(receive: Receive) -> None:

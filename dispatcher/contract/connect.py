@@ -98,7 +98,7 @@ def _master_auth(settings: Settings) -> dict[str, Any]:
     """Credentials and database of the master, from ``redis_url`` when one is given."""
     if settings.redis_url is None:
         return {}
-    parsed = parse_url(settings.redis_url)  # type: ignore[no-untyped-call]
+    parsed = parse_url(settings.redis_url)  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
     return {k: parsed[k] for k in ("username", "password", "db") if parsed.get(k) is not None}
 
 
@@ -130,8 +130,8 @@ def sync_client(settings: Settings, *, socket_timeout: float, connect_timeout: f
             socket_connect_timeout=connect_timeout,
         )
     args, kwargs = _sentinel_args(settings, socket_timeout, connect_timeout)
-    sentinel = Sentinel(*args, **kwargs)  # type: ignore[no-untyped-call]
-    client: Redis = sentinel.master_for(settings.redis_sentinel_master)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(*args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
+    client: Redis = sentinel.master_for(settings.redis_sentinel_master)  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
     return client
 
 
@@ -146,7 +146,7 @@ def async_client(
             socket_connect_timeout=connect_timeout,
         )
     args, kwargs = _sentinel_args(settings, socket_timeout, connect_timeout)
-    sentinel = AsyncSentinel(*args, **kwargs)  # type: ignore[no-untyped-call]
+    sentinel = AsyncSentinel(*args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
     client: AsyncRedis = sentinel.master_for(settings.redis_sentinel_master)
     return client
 

@@ -23,7 +23,7 @@ class ClaimLog:
 
     def __init__(self, redis_url: str) -> None:
         self._client = redis.Redis.from_url(redis_url)
-        self._pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
+        self._pubsub = self._client.pubsub()  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
         self._seen: set[str] = set()
         self._order: list[str] = []
         self._lock = threading.Lock()
