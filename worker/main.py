@@ -137,9 +137,6 @@ class _Worker:
         loaders = REGISTRY.loaders()
         if not loaders:
             return True
-        self.state.set("starting", "loading model")
-        if not register_worker(self.broker, self.state, self.settings, self.recorder):
-            return False
         device = self.state.device
         target = "cuda" if device is not None and device.kind == "gpu" else "cpu"
         self.budget.before_models()
@@ -181,19 +178,17 @@ class _Worker:
             return EXIT_CONFIG
         self.state.task_types = REGISTRY.names()
         self.runner.device = self.state.device_json() or {}
-        if not self.load_models():
-            return 0
-        catalog = REGISTRY.catalog()  # pydantic schemas: built once, not per attempt
-        # The catalog first, while still `starting` (loading models already published
-        # it): a heartbeat may publish the state at any moment, and nobody may see this
-        # worker idle before its types are known.
-        register = (self.broker, self.state, self.settings, self.recorder, catalog)
-        if not REGISTRY.loaders() and not register_worker(*register):
+        catalog = REGISTRY.catalog()  # pydantic schemas: built once, not per phase
+        # Phase "types known": still `starting` (loading its models, if it has any), the
+        # catalog published; a heartbeat may publish the state at any moment, and nobody
+        # may see this worker idle before its types are known.
+        self.state.set("starting", "loading model" if REGISTRY.loaders() else "")
+        if not self.publish(catalog) or not self.load_models():
             return 0  # stopped (or unhealthy, or its name taken) before it could serve
-        # Ready from this registration on: published as idle now, not a heartbeat later,
-        # so admission counts the worker as capacity as soon as it can take a task.
+        # Phase "ready": published as idle now, not a heartbeat later, so admission
+        # counts the worker as capacity as soon as it can take a task.
         self.state.set("idle")
-        if not register_worker(*register):
+        if not self.publish(catalog):
             return 0
         device = self.state.device
         log.info(
@@ -209,6 +204,11 @@ class _Worker:
             self.broker, self.runner, self.state, self.recorder, self.settings, self.budget
         ).run()
         return 0
+
+    def publish(self, catalog: dict[str, Any] | None = None) -> bool:
+        """Publish the worker as it is now (one call per start-up phase: its name, its
+        types, ready); False when it cannot go on (stopped, or its name is taken)."""
+        return register_worker(self.broker, self.state, self.settings, self.recorder, catalog)
 
     def leave(self) -> None:
         """Release the GPU claim, unregister and flush the last metrics. An unhealthy
@@ -260,7 +260,10 @@ def run_worker(
         return EXIT_CONFIG
     worker = _Worker(settings, served, name)
     _install_signals(worker.state, worker.interrupts, worker.runner)
-    if not register_worker(worker.broker, worker.state, settings, worker.recorder):
+    # Start-up in phases, each published once: the name (before the device: a name
+    # already taken fails here), the device (take_device), the types and their models,
+    # ready (serve).
+    if not worker.publish():
         if not worker.state.stopping:
             log.error("a live worker is already named %r; choose another --name", worker.state.name)
             return EXIT_CONFIG
