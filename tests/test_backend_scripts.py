@@ -4,10 +4,12 @@ backend client's reading of what a server streams."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from dispatcher.api.generation import error_of
 from dispatcher.api.store import Record, Submission, submit_options
@@ -18,6 +20,7 @@ from dispatcher.contract.scripts import SyncScripts, options
 from dispatcher.contract.settings import Settings
 from worker.backend.client import BackendError, _event
 from worker.backend.relay import _has_text
+from worker.backend.stream import StreamAppends
 from worker.broker import Broker
 from worker.state import WorkerState
 
@@ -81,11 +84,20 @@ def test_stream_appends_only_from_the_current_attempt(r: redis.Redis, settings: 
     backend = _worker(r, settings, "w-stream", [MODEL_TYPE])
     _submit(s, settings, MODEL_TYPE, routed=True)
     (claimed,) = backend.claim(True, "{}")
-    assert backend.append_stream(claimed, [("chunk", b'{"a":1}'), ("chunk", b'{"a":2}')])
+
+    async def append(entries: list[tuple[str, bytes]]) -> bool:
+        # As the backend worker writes: stream.lua on its asyncio client.
+        client = aioredis.Redis.from_url(settings.redis_url_or_default)
+        try:
+            return await StreamAppends(client, backend).append(claimed, entries)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(append([("chunk", b'{"a":1}'), ("chunk", b'{"a":2}')]))
     assert [e[1][b"d"] for e in r.xrange(keys.stream(claimed.task_id))] == [b'{"a":1}', b'{"a":2}']
     assert r.pttl(keys.stream(claimed.task_id)) > 0
     r.hset(keys.job(claimed.task_id), "attempts", claimed.attempt + 1)  # a later attempt
-    assert not backend.append_stream(claimed, [("chunk", b'{"a":3}')])
+    assert not asyncio.run(append([("chunk", b'{"a":3}')]))
     assert r.xlen(keys.stream(claimed.task_id)) == 2
 
 
@@ -156,7 +168,7 @@ def test_a_stream_cut_by_a_lost_worker_is_not_generated_again() -> None:
     claimed = Claimed("t1", "batch", encode_call(MODEL_TYPE, args), 2, 30.0, None, 0, None)
     written: list[tuple[str, bytes]] = []
 
-    def append(entries: list[tuple[str, bytes]]) -> bool:
+    async def append(entries: list[tuple[str, bytes]]) -> bool:
         written.extend(entries)
         return True
 

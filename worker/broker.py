@@ -379,17 +379,15 @@ class Broker:
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
 
-    def append_stream(self, task: Claimed, entries: list[tuple[str, bytes]]) -> bool:
-        """Append a generation's entries (kind, data JSON) to its stream (stream.lua);
-        False when fenced (a later attempt owns the task)."""
-        opts = options(
+    def stream_options(self, task: Claimed) -> str:
+        """stream.lua's options for this run of ``task`` (its fencing, the stream's TTL):
+        the backend worker sends it on its asyncio client (worker/backend/stream.py)."""
+        return options(
             id=task.task_id,
             worker=self.name,
             attempt=task.attempt,
             ttl_ms=int(self.settings.stream_ttl_s * 1000),
         )
-        flat = [part for kind, data in entries for part in (kind, data)]
-        return bool(self._scripts.run("stream", opts, *flat))
 
     def stream_length(self, task: Claimed) -> int:
         """Entries the task's stream holds (written by earlier attempts, for a re-run)."""

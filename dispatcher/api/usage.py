@@ -12,6 +12,7 @@ is final: a billing job that asks ``since=<the last until>`` counts each minute 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
@@ -23,7 +24,7 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.exporter import Recorded
 from dispatcher.contract import keys
 
-__all__ = ["UsageReport", "device_stats", "parse_instant", "read_usage"]
+__all__ = ["INSTANT_PATTERN", "UsageReport", "device_stats", "parse_instant", "read_usage"]
 
 MINUTE_S = 60
 _READ_BATCH = 500  # buckets per pipeline
@@ -44,31 +45,29 @@ class UsageReport(BaseModel):
     complete: bool = Field(
         description="Every minute counted has ended: the figures will not change."
     )
+    partial: bool = Field(
+        description="The span asked for starts before the usage kept (usage_retention_s): "
+        "`since` says where the figures really start."
+    )
     resolution_s: int = MINUTE_S
     device_seconds: float = Field(description="All tenants together.")
     tenants: dict[str, float] = Field(description="Device seconds per tenant.")
     usage: list[UsageRow] = Field(description="Per tenant, class and task type.")
 
 
+# The form since and until take (the OpenAPI schema says it too): Unix seconds.
+INSTANT_PATTERN = r"^[0-9]{1,11}(\.[0-9]{1,6})?$"
+_INSTANT = re.compile(INSTANT_PATTERN)
+
+
 def parse_instant(value: str | None, name: str) -> float | None:
-    """Epoch seconds from Unix seconds or an ISO 8601 time (UTC when it names no
-    zone); None when absent; 422 naming the parameter otherwise."""
+    """Epoch seconds from Unix seconds (``INSTANT_PATTERN``); None when absent; 422
+    naming the parameter otherwise."""
     if value is None:
         return None
-    text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        try:
-            when = datetime.fromisoformat(text.replace("Z", "+00:00"))
-        except ValueError:
-            raise _invalid(name, f"{name} must be Unix seconds or an ISO 8601 time") from None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = when.timestamp()
-    if not math.isfinite(seconds) or not 0 <= seconds < 1e11:
-        raise _invalid(name, f"{name} is out of range")
-    return seconds
+    if not _INSTANT.fullmatch(value):
+        raise _invalid(name, f"{name} must be Unix seconds (digits, an optional fraction)")
+    return float(value)
 
 
 def _invalid(name: str, message: str) -> ApiError:
@@ -84,22 +83,18 @@ async def read_usage(
 ) -> UsageReport:
     """The usage of the whole minutes from ``since``'s to ``until``'s (exclusive; both
     rounded down to their minute). Defaults: until, through the current minute (not
-    complete yet); since, one hour before until. A since older than what is kept is a
-    422: a silently partial bill would be data loss."""
+    complete yet); since, one hour before until. A since older than what is kept starts
+    at what is kept, and the reply says so (``partial``, its ``since``): never a silently
+    partial bill."""
     now_s, now_us = await client.time()
     now = now_s + now_us / 1e6
     current = math.floor(now / MINUTE_S)
     end = current + 1 if until is None else math.floor(until / MINUTE_S)
     first = end - 60 if since is None else math.floor(since / MINUTE_S)
-    if first > end:
-        raise _invalid("since", "since must not be after until")
+    first = min(first, end)  # since after until: an empty span, said as such
     kept_from = current - math.ceil(retention_s / MINUTE_S) + 1
-    if first < kept_from:
-        raise _invalid(
-            "since",
-            f"since is older than the usage kept (usage_retention_s {retention_s} s): "
-            f"minutes from {_iso(kept_from)} on are kept",
-        )
+    partial = first < kept_from  # asked for more than is kept: the reply says where it starts
+    first = max(first, min(kept_from, end))
     minutes = await client.zrangebyscore(keys.USAGE_MINUTES, first, end - 1)
     rows: defaultdict[tuple[str, str, str], int] = defaultdict(int)
     for at in range(0, len(minutes), _READ_BATCH):
@@ -118,6 +113,7 @@ async def read_usage(
         since=_iso(first),
         until=_iso(end),
         complete=end <= current,
+        partial=partial,
         device_seconds=sum(rows.values()) / 1e6,
         tenants={t: us / 1e6 for t, us in sorted(tenants.items())},
         usage=[

@@ -28,13 +28,13 @@ import time
 from redis.exceptions import RedisError
 
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.connect import REFUSED_FOR_NOW, refused, why_refused
+from dispatcher.contract.connect import REFUSED_FOR_NOW, async_client, refused, why_refused
 from dispatcher.contract.jobs import PUBLIC_STATUS, ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.backend.client import Backend
 from worker.backend.relay import Relay, Stop
-from worker.backend.stream import StreamWriter
+from worker.backend.stream import StreamAppends, StreamWriter
 from worker.broker import Broker, Claimed
 from worker.execute import RECORDED, Outcome, RunEnd, RunningTask
 from worker.report import Concluded, Reporter
@@ -89,6 +89,8 @@ class BackendLoop:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
+        client = async_client(self.settings, socket_timeout=10, connect_timeout=5)
+        self._appends = StreamAppends(client, self.broker)
         self._publish()
         prober = asyncio.create_task(self._probe())
         try:
@@ -98,6 +100,7 @@ class BackendLoop:
             prober.cancel()
             await asyncio.gather(prober, return_exceptions=True)
             await asyncio.to_thread(self._unpark)
+            await client.aclose()
 
     async def _claim_loop(self) -> None:
         was_idle = True
@@ -167,7 +170,7 @@ class BackendLoop:
 
     def _start(self, claimed: Claimed) -> None:
         writer = StreamWriter(
-            lambda entries: self.broker.append_stream(claimed, entries),
+            lambda entries: self._appends.append(claimed, entries),
             claimed.task_id,
             lambda: self.broker.stream_length(claimed),
         )

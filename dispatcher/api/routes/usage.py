@@ -7,13 +7,13 @@ from fastapi import APIRouter, Query, Request, Response
 
 from dispatcher.api.deps import caller, services
 from dispatcher.api.errors import ApiError, error_responses
-from dispatcher.api.usage import UsageReport, parse_instant, read_usage
+from dispatcher.api.usage import INSTANT_PATTERN, UsageReport, parse_instant, read_usage
 
 __all__ = ["router"]
 
 router = APIRouter()
 
-_WHEN = "Unix seconds or an ISO 8601 time (UTC unless it names a zone), rounded down to its minute."
+_WHEN = "Unix seconds, rounded down to its minute."
 _SINCE = f"First minute counted: {_WHEN} Default: an hour before until."
 _UNTIL = f"End (exclusive): {_WHEN} Default: through the current minute (`complete` false)."
 
@@ -28,8 +28,12 @@ _UNTIL = f"End (exclusive): {_WHEN} Default: through the current minute (`comple
 async def usage(
     request: Request,
     response: Response,
-    since: str | None = Query(None, description=_SINCE),
-    until: str | None = Query(None, description=_UNTIL),
+    since: str | None = Query(
+        None, description=_SINCE, json_schema_extra={"pattern": INSTANT_PATTERN}
+    ),
+    until: str | None = Query(
+        None, description=_UNTIL, json_schema_extra={"pattern": INSTANT_PATTERN}
+    ),
 ) -> UsageReport:
     """Device seconds used in the whole minutes from `since` to `until`, by tenant and
     by tenant, class and type, as the workers measured them (docs/design.md §4 "Device
