@@ -12,6 +12,7 @@ Process logs go to a temporary directory (kept only when a run fails).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -89,6 +90,30 @@ class Proc:
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def bench_key(tenant: str) -> str:
+    """The bearer key of a bench tenant (:func:`tenants_json`)."""
+    return f"bench-key-{tenant}"
+
+
+def tenants_json(weights: dict[str, float], admins: tuple[str, ...] = ()) -> str:
+    """``GPULANE_TENANTS`` for bench tenants (``name -> weight``, keys :func:`bench_key`),
+    their rate and in-flight limits out of the way; ``admins`` get admin keys."""
+    return json.dumps(
+        [
+            {
+                "name": name,
+                "key_sha256": hashlib.sha256(bench_key(name).encode()).hexdigest(),
+                "weight": weight,
+                "rate": 1e6,
+                "burst": 1_000_000,
+                "max_in_flight": 1_000_000,
+                "admin": name in admins,
+            }
+            for name, weight in weights.items()
+        ]
+    )
 
 
 class Stack:

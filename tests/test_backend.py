@@ -19,8 +19,7 @@ import openai
 import pytest
 import redis
 from conftest import FAST, make_settings, submit, wait_status
-from playwright.sync_api import sync_playwright
-from support.observe import CHROMIUM, CHROMIUM_ARGS
+from support.observe import dashboard
 from support.up import Up, up_env
 
 from dispatcher.contract import keys
@@ -433,10 +432,7 @@ def test_tokens_and_backend_in_metrics_stats_and_workers(
     assert worker["backend"]["slots"] == 3 and worker["backend"]["url"] == server.url
     assert worker["task_types"] == [BACKEND_TYPE]
     # The dashboard: the tokens per tenant and model, the worker's server and slots.
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.goto(api.url)
+    with dashboard(api.url) as page:
         page.wait_for_selector("#tokens-panel:not([hidden])", timeout=15_000)
         tokens = page.inner_text("#token-rows")
         assert "tiny-llama" in tokens and "15" in tokens, tokens
@@ -445,7 +441,6 @@ def test_tokens_and_backend_in_metrics_stats_and_workers(
         )
         row = page.inner_text("#worker-rows")
         assert f"backend · {server.url}" in row and "0 / 3 slots" in row, row
-        browser.close()
 
 
 def test_embeddings_served_by_infinity(

@@ -16,9 +16,8 @@ import httpx
 import pytest
 import redis
 from conftest import WorkerFactory, make_settings
-from playwright.sync_api import sync_playwright
 from support.catalog import tenant
-from support.observe import CHROMIUM, CHROMIUM_ARGS
+from support.observe import dashboard
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import TenantConfig
@@ -207,14 +206,10 @@ def test_the_dashboard_shows_device_time(
             15,
             what="the device time in /stats",
         )
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        page.goto(api.url)
+    with dashboard(api.url) as page:
         page.wait_for_selector("#device-panel:not([hidden])", timeout=15_000)
         row = page.inner_text("#device-rows")
         assert "test.large" in row and "batch" in row and "100.0 %" in row, row
-        browser.close()
 
 
 def test_a_batch_shares_its_time_by_what_its_items_report(

@@ -16,8 +16,6 @@ total against the tasks' start-to-end times from their records.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any
 import httpx
 
 from bench.glside import gl_done, records
-from bench.harness import BENCH_TASKS, Stack
+from bench.harness import BENCH_TASKS, Stack, bench_key, tenants_json
 from bench.report import Report, Table, Target, figure, pct, save
 from testkit import publish_catalog, wait_for
 
@@ -51,28 +49,10 @@ SIZES = {
 }
 
 
-def _key(name: str) -> str:
-    return f"bench-key-{name}"
-
-
-def _tenants_json() -> str:
-    return json.dumps(
-        [
-            {
-                "name": name,
-                "key_sha256": hashlib.sha256(_key(name).encode()).hexdigest(),
-                "rate": 1e6,
-                "burst": 1_000_000,
-                "max_in_flight": 1_000_000,
-                "admin": name == ADMIN,
-            }
-            for name in (*TENANTS, ADMIN)
-        ]
-    )
-
-
 def _client(url: str, name: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {_key(name)}"}, timeout=60)
+    return httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {bench_key(name)}"}, timeout=60
+    )
 
 
 def _submit(url: str, size: Size) -> dict[str, list[str]]:
@@ -92,7 +72,9 @@ def _submit(url: str, size: Size) -> dict[str, list[str]]:
 def _mode(by: str, size: Size) -> dict[str, Any]:
     with Stack() as stack:
         publish_catalog(stack.client(), BENCH_TASKS)  # the types, before any worker runs
-        _, url = stack.gpulane_api(CLASSES, tenants=_tenants_json())
+        _, url = stack.gpulane_api(
+            CLASSES, tenants=tenants_json(dict.fromkeys((*TENANTS, ADMIN), 1.0), (ADMIN,))
+        )
         ids = _submit(url, size)  # both backlogs queued before any worker runs
         for i in range(size.workers):
             stack.gpulane_worker(f"device-{i}", fair_share_by=by)

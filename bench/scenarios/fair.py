@@ -32,8 +32,6 @@ one after the other on the same pool:
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +41,7 @@ import httpx
 import redis
 
 from bench.glside import gl_done, records
-from bench.harness import Stack
+from bench.harness import Stack, bench_key, tenants_json
 from bench.report import Report, Table, Target, figure, pct, save
 from testkit import wait_for
 
@@ -73,27 +71,6 @@ SIZES = {
 }
 
 
-def _key(tenant: str) -> str:
-    return f"bench-key-{tenant}"
-
-
-def tenants_json() -> str:
-    """``GPULANE_TENANTS``: the bench tenants with their weights; limits out of the way."""
-    return json.dumps(
-        [
-            {
-                "name": name,
-                "key_sha256": hashlib.sha256(_key(name).encode()).hexdigest(),
-                "weight": weight,
-                "rate": 1e6,
-                "burst": 1_000_000,
-                "max_in_flight": 1_000_000,
-            }
-            for name, weight in WEIGHTS.items()
-        ]
-    )
-
-
 @dataclass
 class Submitted:
     tenant: str
@@ -110,7 +87,7 @@ async def _post_all(url: str, tenants: list[str], task_s: float) -> list[Submitt
 
     async def sender(http: httpx.AsyncClient) -> None:
         for i in cursor:
-            headers = {"Authorization": f"Bearer {_key(tenants[i])}"}
+            headers = {"Authorization": f"Bearer {bench_key(tenants[i])}"}
             response = await http.post("/tasks", json=body, headers=headers)
             if response.status_code != 202:
                 raise RuntimeError(f"submit refused: {response.status_code} {response.text}")
@@ -205,7 +182,7 @@ def _mode(label: str, fair: bool, size: Size) -> dict[str, Any]:
         for proc in workers:
             stack.wait_registered(proc)
         _, url = stack.gpulane_api(
-            CLASSES, tenants=tenants_json(), fair_share="true" if fair else "false"
+            CLASSES, tenants=tenants_json(WEIGHTS), fair_share="true" if fair else "false"
         )
         backlog, total_s = _backlog(stack, url, size)
         weights = _weights(stack, url, size)

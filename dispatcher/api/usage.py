@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -23,6 +22,7 @@ from redis.asyncio import Redis
 from dispatcher.api.errors import ApiError
 from dispatcher.api.exporter import Recorded
 from dispatcher.contract import keys
+from dispatcher.contract.jobs import iso_ms
 
 __all__ = ["INSTANT_PATTERN", "UsageReport", "device_stats", "parse_instant", "read_usage"]
 
@@ -75,7 +75,7 @@ def _invalid(name: str, message: str) -> ApiError:
 
 
 def _iso(minute: int) -> str:
-    return datetime.fromtimestamp(minute * MINUTE_S, UTC).isoformat().replace("+00:00", "Z")
+    return str(iso_ms(minute * MINUTE_S * 1000))  # as task records write times
 
 
 async def read_usage(

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import redis
+from playwright.sync_api import Page, sync_playwright
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -72,6 +73,19 @@ class Scrape:
                 value = self.value(f"{histogram}_bucket", **labels, le=le)
                 out.append((float(le), value or 0.0))
         return out
+
+
+@contextmanager
+def dashboard(url: str) -> Iterator[Page]:
+    """The live dashboard at ``url`` open in headless Chromium (closed after)."""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()
 
 
 def scrape(http: httpx.Client, **headers: str) -> Scrape:
