@@ -118,6 +118,11 @@ def _submit_request(
     return _Request("POST", "/tasks", data=form, files=files, headers=headers)
 
 
+def _result_request(task_id: str, pages: str | None) -> _Request:
+    query = f"?pages={pages}" if pages is not None else ""
+    return _Request("GET", f"/tasks/{task_id}/result{query}", timeout_s=300.0)
+
+
 def _retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after")
     try:
@@ -200,12 +205,15 @@ class _Base:
         return _delay(attempt, response, self.max_delay_s)
 
     def _result(self, response: httpx.Response | None) -> dict[str, Any]:
+        result: dict[str, Any] = self._value(response)
+        return result
+
+    def _value(self, response: httpx.Response | None) -> Any:
         if response is None:
             raise httpx.ConnectError(f"cannot reach {self.url} (after {self.max_retries} retries)")
         if response.status_code >= 400:
             raise _error(response)
-        result: dict[str, Any] = response.json()
-        return result
+        return response.json()
 
 
 class Client(_Base):
@@ -234,6 +242,10 @@ class Client(_Base):
         self._http.close()
 
     def _send(self, req: _Request) -> dict[str, Any]:
+        result: dict[str, Any] = self._send_any(req)
+        return result
+
+    def _send_any(self, req: _Request) -> Any:
         attempt = 0
         while True:
             try:
@@ -242,9 +254,14 @@ class Client(_Base):
                 response = None
             delay = self._retry_in(attempt, response)
             if delay is None:
-                return self._result(response)
+                return self._value(response)
             time.sleep(delay)
             attempt += 1
+
+    def result(self, task_id: str, pages: str | None = None) -> Any:
+        """A succeeded task's result (``GET /tasks/<id>/result``), whole or (``pages``:
+        ``"1-100"``) a range of the entries a task split into parts stored."""
+        return self._send_any(_result_request(task_id, pages))
 
     def submit(
         self,
@@ -292,6 +309,11 @@ class Client(_Base):
             if on_update:
                 on_update(record)
             if record["status"] in FINAL:
+                if record.get("result_url"):  # stored in parts, too large for the record
+                    return {
+                        **record,
+                        "result": self._send_any(_Request("GET", record["result_url"])),
+                    }
                 return record
             if deadline is not None and time.monotonic() >= deadline:
                 raise _timed_out(task_id, record, timeout_s)
@@ -324,6 +346,10 @@ class AsyncClient(_Base):
         await self._http.aclose()
 
     async def _send(self, req: _Request) -> dict[str, Any]:
+        result: dict[str, Any] = await self._send_any(req)
+        return result
+
+    async def _send_any(self, req: _Request) -> Any:
         attempt = 0
         while True:
             try:
@@ -332,9 +358,14 @@ class AsyncClient(_Base):
                 response = None
             delay = self._retry_in(attempt, response)
             if delay is None:
-                return self._result(response)
+                return self._value(response)
             await asyncio.sleep(delay)
             attempt += 1
+
+    async def result(self, task_id: str, pages: str | None = None) -> Any:
+        """A succeeded task's result (``GET /tasks/<id>/result``), whole or (``pages``:
+        ``"1-100"``) a range of the entries a task split into parts stored."""
+        return await self._send_any(_result_request(task_id, pages))
 
     async def submit(
         self,
@@ -382,6 +413,9 @@ class AsyncClient(_Base):
             if on_update:
                 on_update(record)
             if record["status"] in FINAL:
+                if record.get("result_url"):  # stored in parts, too large for the record
+                    whole = await self._send_any(_Request("GET", record["result_url"]))
+                    return {**record, "result": whole}
                 return record
             if deadline is not None and time.monotonic() >= deadline:
                 raise _timed_out(task_id, record, timeout_s)

@@ -66,7 +66,7 @@ def publish_catalog(client: redis.Redis, *modules: str) -> None:
         importlib.import_module(module)
     # Exactly these modules' types: the registry is process-wide, and a module another
     # test imported earlier must not leak its types into this catalog.
-    wanted = {"worker.tasks.builtin", *modules}
+    wanted = {"worker.tasks.builtin", "worker.tasks.document", *modules}  # built-ins
     for name in REGISTRY.names():
         spec = REGISTRY.get(name)
         if spec is not None and spec.handler.__module__ in wanted:

@@ -7,6 +7,7 @@ Task authors need only this::
 
 from worker.registry import (
     Batch,
+    Split,
     TaskCanceled,
     TaskContext,
     TaskFailure,
@@ -17,6 +18,7 @@ from worker.registry import (
 
 __all__ = [
     "Batch",
+    "Split",
     "TaskCanceled",
     "TaskContext",
     "TaskFailure",

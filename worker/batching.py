@@ -130,7 +130,13 @@ class BatchRunner:
         if call.file is not None and claimed.file is not None:
             upload = UploadedFile(call.file.name, call.file.content_type, claimed.file)
         item.ctx = RunningTask(
-            claimed, call.task_type, upload, runner.device, runner.sink, runner.worker
+            claimed,
+            call.task_type,
+            upload,
+            runner.device,
+            runner.sink,
+            runner.worker,
+            runner.splitter,
         )
         spec = runner.registry.get(call.task_type)
         item.outcome = _unrunnable(spec, call, upload is not None, runner.registry)
@@ -210,7 +216,7 @@ class BatchRunner:
             return True
         finally:
             _share(pending, time.monotonic() - called, _sizes(spec, pending, values))
-        self._results(pending, values)
+        self._results(pending, values, spec.batch is None)
         return True
 
     def _calls(self, spec: TaskSpec, args: list[BaseModel], ctxs: list[RunningTask]) -> Any:
@@ -243,7 +249,7 @@ class BatchRunner:
                     ErrorCode.TIMEOUT, f"Ran past its timeout of {seconds:g} s."
                 )
 
-    def _results(self, pending: list[Item], values: Any) -> None:
+    def _results(self, pending: list[Item], values: Any, may_split: bool) -> None:
         wanted = sum(len(i.valid) for i in pending)
         if not isinstance(values, list) or len(values) != wanted:
             got = len(values) if isinstance(values, list) else type(values).__name__
@@ -262,8 +268,10 @@ class BatchRunner:
                 item.outcome = canceled()
             elif item.chunk:
                 item.outcome = self.runner.encode_chunk(item.args, mine, item.errors)
+            elif item.claimed.parent:
+                item.outcome = self.runner.encode_part(mine[0], item.claimed.merge)
             else:
-                item.outcome = self.runner.encode_one(mine[0])
+                item.outcome = self.runner.encode_one(mine[0], may_split)
 
 
 def _sizes(spec: TaskSpec, pending: list[Item], values: Any) -> list[float]:

@@ -23,6 +23,7 @@ from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScrip
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import FairCost, Settings
 from dispatcher.contract.workers import RqCurrent, rq_worker_view
+from worker.registry import Split
 
 __all__ = ["Beat", "Broker", "Claimed", "Finished", "Lease", "Report"]
 
@@ -44,6 +45,11 @@ class Claimed:
     task_type: str = ""  # the job hash's ``type`` (the call data says it again)
     items: int = 1  # a chunk's item count (a task is one item)
     tenant: str = ""
+    # A part's (of a task split into parts): its parent's id, its index, and the key
+    # of its result whose list is its part ('': the whole result is one entry).
+    parent: str = ""
+    part: int | None = None
+    merge: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class Report:
     error: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
     device_s: float = 0.0  # the device time the run used (its share of its batch's calls)
+    split: Split | None = None  # a split: the parts to queue (split.lua, not finish.lua)
+    entries: int = 0  # a part's: the entries its result holds
 
 
 # finish.lua's answer: ('ok', the Redis time it ended at) or (why not, None).
@@ -241,9 +249,10 @@ class Broker:
         )
 
     def _claimed(self, reply: list[Any]) -> Claimed:
-        task_id, cls, data, attempt, timeout, created, started, file, task_type, items, tenant = (
-            reply
+        (task_id, cls, data, attempt, timeout, created, started, file, task_type, items, tenant) = (
+            reply[:11]
         )
+        parent, part, merge = reply[11:14]
         return Claimed(
             task_id=_text(task_id),
             cls=_text(cls),
@@ -256,6 +265,9 @@ class Broker:
             task_type=_text(task_type),
             items=int(items),
             tenant=_text(tenant),
+            parent=_text(parent),
+            part=int(part) if part else None,
+            merge=_text(merge),
         )
 
     def unpark(self) -> None:
@@ -307,9 +319,7 @@ class Broker:
         self, reports: Sequence[Report], claim_opts: str | None
     ) -> tuple[list[Finished | RedisError], list[Claimed] | RedisError | None]:
         """The reports' answers and, with ``claim_opts``, the claim's (None without)."""
-        calls: list[tuple[str, Sequence[bytes | str]]] = [
-            ("finish", (self._finish_options(r), r.result_json)) for r in reports
-        ]
+        calls = [self._report_call(r) for r in reports]
         if claim_opts is not None:
             calls.append(("claim", (claim_opts,)))
         n = len(reports)
@@ -325,6 +335,35 @@ class Broker:
             return finished, claimed
         return finished, [self._claimed(task) for task in claimed or []]
 
+    def _report_call(self, report: Report) -> tuple[str, Sequence[bytes | str]]:
+        """The script that records ``report``: finish.lua, or split.lua for a split."""
+        split = report.split
+        if split is None:
+            return ("finish", (self._finish_options(report), report.result_json))
+        task = report.claimed
+        opts = options(
+            id=task.task_id,
+            worker=self.name,
+            **{"class": task.cls},
+            attempt=task.attempt,
+            classes=self.settings.class_names,
+            ttl_s=self.settings.result_ttl_s,
+            type=split.task_type,
+            gpu_mb=split.gpu_memory_mb,
+            merge=split.into,
+            flatten=split.flatten,
+            first=split.first,
+            result=json.dumps(split.result, separators=(",", ":")),
+            file=split.file,
+            **({"labels": list(split.labels)} if split.labels is not None else {}),
+        )
+        return ("split", (opts, *split.calls))
+
+    def live_workers(self, cls: str) -> int:
+        """Workers registered as serving ``cls`` (RQ's per-queue index, kept by their
+        heartbeats): what a task sizes its parts by."""
+        return int(self.client.scard(keys.rq_workers_of(cls)))
+
     def _finish_options(self, report: Report) -> str:
         task = report.claimed
         return options(
@@ -338,6 +377,7 @@ class Broker:
             ttl_s=self.settings.result_ttl_s,
             # Fair share settles a laned task's charge with it (device_time mode only).
             **({"device_us": round(report.device_s * 1e6)} if self._by_time else {}),
+            **({"entries": report.entries} if task.parent else {}),
         )
 
     def release(
@@ -400,8 +440,9 @@ class Broker:
     def progress(self, task: Claimed, fraction: float, message: str) -> bool:
         """Publish a running task's progress and tell the API's waiters (progress.lua);
         False when fenced (a later attempt owns the task)."""
-        opts = options(id=task.task_id, worker=self.name, attempt=task.attempt)
-        value = json.dumps({"fraction": round(fraction, 4), "message": message})
+        fraction = round(fraction, 4)
+        opts = options(id=task.task_id, worker=self.name, attempt=task.attempt, fraction=fraction)
+        value = json.dumps({"fraction": fraction, "message": message})
         return bool(self._scripts.run("progress", opts, value))
 
     def beat(

@@ -32,12 +32,14 @@ from worker.broker import Claimed
 from worker.gpu.health import classify, describe
 from worker.registry import (
     Registry,
+    Split,
     TaskCanceled,
     TaskFailure,
     TaskInterrupt,
     TaskTimeout,
     UploadedFile,
 )
+from worker.split import Splitter
 
 __all__ = [
     "MAX_CHUNK_RESULT_BYTES",
@@ -89,10 +91,13 @@ class RunEnd(StrEnum):
     LOST = "lost"
     # The lease was lost: the task is no longer this run's; nothing is reported.
     ABANDON = "abandon"
+    # The handler returned ctx.map: split.lua queues the parts; the task ends with them.
+    SPLIT = "split"
 
 
-# The ends finish.lua records; the others go back to the queue (or nowhere).
-RECORDED = frozenset({RunEnd.FINISHED, RunEnd.FAILED, RunEnd.CANCELED})
+# The ends a script records (finish.lua; split.lua for a split); the others go back to
+# the queue (or nowhere).
+RECORDED = frozenset({RunEnd.FINISHED, RunEnd.FAILED, RunEnd.CANCELED, RunEnd.SPLIT})
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class Outcome:
     status: RunEnd
     result_json: str = ""
     error: dict[str, Any] | None = None
+    split: Split | None = None  # SPLIT: the parts
+    entries: int = 0  # a part's result: how many entries it holds
 
     @staticmethod
     def fail(code: str, message: str) -> Outcome:
@@ -177,6 +184,7 @@ class RunningTask:
         device: dict[str, Any],
         sink: ProgressSink,
         worker: str,
+        splitter: Splitter | None = None,
     ) -> None:
         self.task_id = claimed.task_id
         self.task_type = task_type
@@ -185,6 +193,9 @@ class RunningTask:
         self.file = file
         self.device = device
         self.claimed = claimed
+        self.parent = claimed.parent or None
+        self.part = claimed.part
+        self._splitter = splitter
         self.log = logging.LoggerAdapter(
             log, {"worker": worker, "task": self.task_id, "class": self.task_class}
         )
@@ -205,6 +216,34 @@ class RunningTask:
 
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    def map(
+        self,
+        task_type: str,
+        items: list[dict[str, Any]],
+        *,
+        into: str = "results",
+        flatten: bool = False,
+        result: dict[str, Any] | None = None,
+        first: int = 1,
+        labels: list[str] | None = None,
+    ) -> Split:
+        if self._splitter is None:
+            raise ValueError("this worker runs no splits")
+        return self._splitter.split(
+            self.parent,
+            self.file,
+            task_type,
+            items,
+            into=into,
+            flatten=flatten,
+            result=result,
+            first=first,
+            labels=labels,
+        )
+
+    def workers(self) -> int:
+        return self._splitter.workers(self.task_class) if self._splitter is not None else 1
 
     def request_cancel(self) -> None:
         self._cancel.set()
@@ -233,8 +272,10 @@ class Runner:
         device: dict[str, Any],
         worker: str,
         max_result_bytes: int,
+        splitter: Splitter | None = None,
     ) -> None:
         self.registry = registry
+        self.splitter = splitter
         self.interrupts = interrupts
         self.sink = sink
         self.device = device
@@ -347,12 +388,35 @@ class Runner:
             results.append(value)
         return self.encode({"results": results, "errors": errors}, len(args))
 
-    def encode_one(self, value: Any) -> Outcome:
-        """A task's outcome from the value a batched handler gave for it."""
+    def encode_one(self, value: Any, may_split: bool = False) -> Outcome:
+        """A task's outcome from the value its handler gave for it (``may_split``: a
+        handler of its own, which may return ``ctx.map``'s split)."""
         failure = item_failure(value)
         if failure is not None:
             return Outcome.fail(failure["code"], failure["message"])
+        if isinstance(value, Split):
+            if may_split:
+                return Outcome(RunEnd.SPLIT, split=value)
+            return Outcome.fail(ErrorCode.INVALID_RESULT, "A batched handler cannot split.")
         return self.encode(value)
+
+    def encode_part(self, value: Any, merge: str) -> Outcome:
+        """A part's outcome: its entries as a JSON list, the result's list at ``merge``
+        (its parent's ``flatten``), or the whole result as the one entry."""
+        failure = item_failure(value)
+        if failure is not None:
+            return Outcome.fail(failure["code"], failure["message"])
+        if isinstance(value, Split):
+            return Outcome.fail(ErrorCode.INVALID_RESULT, "A part cannot split again.")
+        entries = value.get(merge) if merge and isinstance(value, dict) else [value]
+        if not isinstance(entries, list):
+            return Outcome.fail(
+                ErrorCode.INVALID_RESULT, f"A part's result must hold a list at {merge!r}."
+            )
+        outcome = self.encode(entries)
+        if outcome.status != RunEnd.FINISHED:
+            return outcome
+        return Outcome(RunEnd.FINISHED, outcome.result_json, entries=len(entries))
 
 
 def item_failure(value: Any) -> dict[str, str] | None:

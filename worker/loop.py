@@ -211,7 +211,9 @@ class WorkerLoop:
                     **({"error": outcome.error["code"]} if outcome.error else {}),
                 },
             )
-            if ended_ms is not None:
+            if outcome.split is not None:  # its parts are counted as submitted by split.lua
+                self.state.ended(True)
+            elif ended_ms is not None:
                 self._record(claimed, task_type, status, ended_ms, batch_items)
         if over_memory:  # after the report: the outcomes are recorded first
             log.warning("%s after a task; exiting to be restarted", over_memory, extra=self._who)

@@ -39,6 +39,7 @@ from worker.gpu.sampler import DeviceWatch
 from worker.heartbeat import Heartbeat
 from worker.loop import WorkerLoop
 from worker.registry import REGISTRY, TaskModuleError, load_task_modules
+from worker.split import Splitter
 from worker.state import WorkerState
 
 __all__ = ["register_worker", "run_worker"]
@@ -105,6 +106,7 @@ class _Worker:
             {},
             name,
             settings.max_result_bytes,
+            Splitter(REGISTRY, self.broker.live_workers),
         )
         self.heartbeat = Heartbeat(
             self.broker, self.state, self.recorder, self.runner, self.interrupts, settings

@@ -41,7 +41,7 @@ import inspect
 import logging
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict
@@ -51,6 +51,7 @@ __all__ = [
     "Batch",
     "ModelLoader",
     "Registry",
+    "Split",
     "TaskCanceled",
     "TaskContext",
     "TaskFailure",
@@ -99,6 +100,25 @@ class UploadedFile:
         return len(self.data)
 
 
+@dataclass(frozen=True)
+class Split:
+    """What :meth:`TaskContext.map` makes and the handler returns: its task runs on as
+    ``count`` parts, tasks of ``task_type`` anywhere in the pool (``docs/design.md`` §4,
+    "Tasks that split into parts"). Its result, once every part succeeded, is
+    ``result`` plus, under ``into``, the parts' entries in order."""
+
+    task_type: str
+    count: int
+    into: str
+    flatten: bool
+    result: dict[str, Any]
+    first: int
+    labels: tuple[str, ...] | None
+    file: bool  # the parts read the task's upload
+    gpu_memory_mb: int
+    calls: tuple[bytes, ...] = field(repr=False)  # each part's call, encoded
+
+
 class TaskContext(Protocol):
     """What a handler may know and do besides its arguments."""
 
@@ -109,6 +129,30 @@ class TaskContext(Protocol):
     file: UploadedFile | None
     device: dict[str, Any]
     log: logging.LoggerAdapter[logging.Logger]
+    parent: str | None  # a part's: the id of the task it is part of; else None
+    part: int | None  # a part's index among its parent's parts (0 first); else None
+
+    def map(
+        self,
+        task_type: str,
+        items: list[dict[str, Any]],
+        *,
+        into: str = "results",
+        flatten: bool = False,
+        result: dict[str, Any] | None = None,
+        first: int = 1,
+        labels: list[str] | None = None,
+    ) -> Split:
+        """Split this task into one part per item (its args for ``task_type``); return
+        what this gives. Each part's result is one entry of the merged list
+        ``result[into]`` or, with ``flatten``, holds a list at ``into`` whose entries
+        are. ``first``: the number of the first entry (``GET /tasks/<id>/result?pages=``);
+        ``labels``: each part's description. ValueError for what cannot split."""
+        ...
+
+    def workers(self) -> int:
+        """Live workers serving this task's class (at least 1): for sizing parts."""
+        ...
 
     def progress(self, fraction: float, message: str = "") -> None:
         """Report progress (0..1) and a short message; shown in ``GET /tasks/<id>``."""

@@ -57,7 +57,14 @@ def _report(run: Concluded) -> Report:
     outcome, ctx = run.outcome, run.ctx
     progress = ctx.latest_progress if ctx else None
     return Report(
-        run.claimed, outcome.status, outcome.result_json, outcome.error, progress, run.device_s
+        run.claimed,
+        outcome.status,
+        outcome.result_json,
+        outcome.error,
+        progress,
+        run.device_s,
+        outcome.split,
+        outcome.entries,
     )
 
 

@@ -26,7 +26,7 @@ from dispatcher.api.errors import install_error_handlers
 from dispatcher.api.openapi import install_openapi
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
-from dispatcher.api.routes import events, generate, observe, openai, pool, tasks, usage
+from dispatcher.api.routes import events, generate, observe, openai, pool, results, tasks, usage
 from dispatcher.api.store import TaskStore
 from dispatcher.api.waiters import Waiters
 from dispatcher.contract import keys
@@ -172,7 +172,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    for module in (tasks, events, pool, observe, openai, generate, usage):
+    for module in (tasks, results, events, pool, observe, openai, generate, usage):
         app.include_router(module.router)
     app.include_router(generate.stream_router)
     install_openapi(app, settings, lambda: _catalog_types(app))

@@ -10,6 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from dispatcher.api import parts
 from dispatcher.api.coalesce import AsyncScripts
 from dispatcher.api.pool import ClassState
 from dispatcher.contract.connect import ReplicaLag
@@ -113,6 +114,7 @@ class CancelResult:
     cls: str = ""  # for canceled: what the metrics count it under
     task_type: str = ""
     items: int = 1  # for canceled: a chunk's items (the metrics count items)
+    parent: str = ""  # for part_of: the task the part is part of
 
 
 def fingerprint(sub: Submission) -> str:
@@ -243,15 +245,21 @@ class TaskStore:
             position=int(reply[4]) if accepted else None,
         )
 
-    async def get(self, task_id: str, tenant: str | None) -> dict[str, Any] | None:
-        """The public record, or None when absent or owned by another tenant."""
+    async def get(
+        self, task_id: str, tenant: str | None, whole: bool = True
+    ) -> dict[str, Any] | None:
+        """The public record, or None when absent or owned by another tenant. ``whole``:
+        with a split task's or a part's result read from its parts (api/parts.py)."""
         values, position = await self.scripts.run("get", task_id, *RECORD_FIELDS)
         raw = dict(zip(RECORD_FIELDS, values, strict=True))
         if raw["status"] is None:
             return None
         if tenant is not None and (raw["tenant"] or b"").decode() != tenant:
             return None
-        return record_from_fields(task_id, values, position)
+        record = record_from_fields(task_id, values, position)
+        if whole and (record["parts"] is not None or record["parent"] is not None):
+            record = await parts.complete(self.client, record, self.settings.max_result_bytes)
+        return record
 
     async def cancel(self, task_id: str, tenant: str | None) -> CancelResult:
         opts = options(
@@ -264,5 +272,7 @@ class TaskStore:
         verdict: CancelVerdict = script_verdict(reply[0], CancelVerdict)
         if verdict == "canceled":
             return CancelResult("canceled", cls=reply[1], task_type=reply[2], items=int(reply[3]))
+        if verdict == "part_of":
+            return CancelResult(verdict, parent=reply[1])
         status = PUBLIC_STATUS.get(reply[1], reply[1]) if len(reply) > 1 else None
         return CancelResult(verdict, status)

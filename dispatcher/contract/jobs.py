@@ -32,7 +32,8 @@ agree); ``attempts`` (times started); ``lost`` (times its worker died holding it
 ``history`` (JSON list of attempts that did not end normally); ``cancel`` (``1`` once
 a cancel was requested); ``lane`` (the tenant whose fair-share lane holds it while
 queued, '' without fair share); ``gpu_mb`` (GPU memory it needs, MB; 0: any worker);
-``items`` (a chunk's item count; absent on a task, which is one item). A chunk's
+``items`` (a chunk's item count; absent on a task, which is one item); a task split
+into parts, and its parts, have the fields of :mod:`dispatcher.contract.parts`. A chunk's
 ``result`` is ``{"results": [<value or null>, ...], "errors": {"<index>": <error>}}``:
 one entry per item, in order (:func:`chunk_item`).
 """
@@ -150,6 +151,12 @@ RECORD_FIELDS = (
     "cancel",
     "gpu_mb",
     "items",
+    "parts",
+    "left",
+    "entries",
+    "pbytes",
+    "parent",
+    "part",
     "lane",  # last: get.lua reads it for a fair-share position; not in the record
 )
 
@@ -308,4 +315,25 @@ def record_from_fields(task_id: str, values: list[Any], position: int | None) ->
         "cancel_requested": raw["cancel"] == b"1" and status == "running",
         "gpu_memory_mb": _int(raw["gpu_mb"]) or 0,
         "items": _int(raw["items"]),  # a chunk's item count; None: a task
+        "parts": _parts(raw),
+        # A part's: its parent's id and its index there.
+        "parent": raw["parent"].decode() if raw["parent"] else None,
+        "part": _int(raw["part"]),
+        # Where the result is read when the record does not hold it (a task's parts'
+        # results past max_result_bytes): set by the API (dispatcher/api/parts.py).
+        "result_url": None,
+    }
+
+
+def _parts(raw: dict[str, Any]) -> dict[str, int] | None:
+    """A task split into parts: how many, how many succeeded, the entries and JSON
+    bytes they stored; None for a task that did not split."""
+    count = _int(raw["parts"])
+    if count is None:
+        return None
+    return {
+        "count": count,
+        "done": count - (_int(raw["left"]) or 0),
+        "entries": _int(raw["entries"]) or 0,
+        "bytes": _int(raw["pbytes"]) or 0,
     }

@@ -93,6 +93,10 @@ gpulane's keys::
                                             written by worker heartbeats, expires
                                             usage_retention_s after its last write
     gpulane:usage:minutes            ZSET   minute -> minute, of every usage bucket kept
+    gpulane:parts:<id>               HASH   the results of a task's parts: <k> -> part k's
+                                            entries (a JSON list), n:<k> -> how many
+                                            (dispatcher.contract.parts); expires with
+                                            its task
     gpulane:stream:<id>              STREAM a generation's chunks as its backend worker
                                             relays them (fields k: chunk | end | error,
                                             d: JSON); any API process reads it; expires
@@ -144,6 +148,7 @@ __all__ = [
     "lua_prelude",
     "parked",
     "parked_type",
+    "parts",
     "queue",
     "queued_bytes",
     "queued_extra",
@@ -189,6 +194,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "parked": (_P + "parked:", ("cls",), ""),
     "parked_type": (_P + "parked:", ("cls", "task_type"), ""),
     "stream": (_P + "stream:", ("task_id",), ""),
+    "parts": (_P + "parts:", ("task_id",), ""),
     "tpm": (_P + "tpm:", ("tenant",), ""),
     "usage": (_P + "usage:", ("minute",), ""),
     "lane": (_P + "lane:", ("cls", "tenant"), ""),
@@ -258,6 +264,10 @@ def parked_type(cls: str, task_type: str) -> str:
 
 def stream(task_id: str) -> str:
     return _build("stream", task_id)
+
+
+def parts(task_id: str) -> str:
+    return _build("parts", task_id)
 
 
 def tpm(tenant: str) -> str:

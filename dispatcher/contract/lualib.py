@@ -18,7 +18,9 @@ from importlib import resources
 __all__ = ["LIBRARIES", "defined", "libraries_for", "text"]
 
 # In dependency order: each uses only those before it.
-LIBRARIES = ("base", "doorbell", "counts", "fair", "queue", "runs", "loss", "rq", "reap")
+LIBRARIES = (
+    "base", "doorbell", "counts", "fair", "queue", "runs", "parts", "loss", "rq", "reap",
+)  # fmt: skip
 
 _DEFINES = re.compile(r"^local (?:function )?([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
 _NAME = re.compile(r"(?<![.:\w])[A-Za-z_][A-Za-z0-9_]*")  # not a field (K.wake)

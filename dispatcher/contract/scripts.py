@@ -31,7 +31,7 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from dispatcher.contract import jobs, keys, lualib
+from dispatcher.contract import jobs, keys, lualib, parts
 
 __all__ = [
     "FLAGS",
@@ -56,7 +56,7 @@ SubmitVerdict = Literal[
     "over_quota",
     "device_quota",
 ]
-CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "not_found"]
+CancelVerdict = Literal["canceled", "cancel_requested", "conflict", "part_of", "not_found"]
 # ``duplicate``: already final (another worker or a cancel reported it); ``gone``: no
 # such task any more; ``fenced``: a later attempt owns the task, the report was dropped.
 FinishVerdict = Literal["ok", "duplicate", "gone", "fenced"]
@@ -93,6 +93,7 @@ NAMES = (
     "progress",
     "stream",
     "tokens",
+    "split",
 )
 
 
@@ -113,7 +114,7 @@ def source(name: str) -> str:
     body = (resources.files("dispatcher.contract") / "lua" / f"{name}.lua").read_text()
     flags = FLAGS.get(name)
     shebang = f"#!lua flags={flags}" if flags else "#!lua"
-    generated = keys.lua_prelude() + jobs.lua_statuses()
+    generated = keys.lua_prelude() + jobs.lua_statuses() + parts.lua_part_id()
     helpers = "\n".join(lualib.text(lib) for lib in lualib.libraries_for(body))
     return f"{shebang}\n-- gpulane:{name}\n{generated}{helpers}\n{body}"
 

@@ -206,3 +206,50 @@ def big(args: BigArgs, ctx: TaskContext) -> dict[str, Any]:
     """Declares 30,000 MB of GPU memory: placement tests see where it runs."""
     time.sleep(args.seconds)
     return {"pid": os.getpid()}
+
+
+class MapArgs(BaseModel):
+    parts: int = Field(3, ge=1, le=2000)
+    seconds: float = Field(0.0, ge=0, le=60)  # each part's run
+    fail_part: int | None = None  # this part fails (task_failure)
+    path: str = ""  # each part's run appends "<index>" here
+    flatten: bool = False
+
+
+@task("test.map")
+def map_parts(args: MapArgs, ctx: TaskContext) -> Any:
+    """Split into ``parts`` parts of ``test.part`` (ctx.map): the fan-out under test."""
+    items = [
+        {"index": i, "seconds": args.seconds, "fail": i == args.fail_part, "path": args.path}
+        for i in range(args.parts)
+    ]
+    return ctx.map(
+        "test.part",
+        items,
+        into="values",
+        flatten=args.flatten,
+        result={"parts": args.parts, "workers": ctx.workers()},
+    )
+
+
+class PartArgs(BaseModel):
+    index: int
+    seconds: float = 0.0
+    fail: bool = False
+    path: str = ""
+
+
+@task("test.part")
+def part(args: PartArgs, ctx: TaskContext) -> Any:
+    """One part of test.map: sleeps (with progress), records its run, returns its
+    index and a list of two entries (what flatten concatenates)."""
+    if args.path:
+        with open(args.path, "a") as log:
+            log.write(f"{args.index}\n")
+    start = time.monotonic()
+    while (left := args.seconds - (time.monotonic() - start)) > 0:
+        time.sleep(min(0.1, left))
+        ctx.progress(min(1.0, (time.monotonic() - start) / args.seconds))
+    if args.fail:
+        raise TaskFailure("part_broke", f"part {args.index} broke")
+    return {"index": args.index, "parent": ctx.parent, "values": [args.index, -args.index]}

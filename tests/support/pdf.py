@@ -60,3 +60,27 @@ def make_bomb_pdf(decoded_mib: int) -> bytes:
     body = good.replace(old, new)
     # The cross-reference offsets are now wrong; PDF readers rebuild them (pdfium does).
     return body
+
+
+def make_scanned_pdf(pages: list[str], scanned: set[int] | None = None) -> bytes:
+    """:func:`make_pdf`'s document with the pages numbered in ``scanned`` (1-based;
+    default: all) replaced by images of themselves, as a scanner makes them: no text
+    layer on those pages (``bench/scanned.py`` renders them)."""
+    import io
+
+    import pypdfium2 as pdfium
+
+    from bench.scanned import scan
+
+    text = make_pdf(pages)
+    images = pdfium.PdfDocument(scan(text))
+    source = pdfium.PdfDocument(text)
+    out = pdfium.PdfDocument.new()
+    for number in range(1, len(pages) + 1):
+        donor = images if scanned is None or number in scanned else source
+        out.import_pages(donor, [number - 1])
+    buffer = io.BytesIO()
+    out.save(buffer)
+    for doc in (out, source, images):
+        doc.close()
+    return buffer.getvalue()

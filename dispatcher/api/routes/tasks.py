@@ -307,6 +307,12 @@ async def cancel_task(task_id: str, request: Request) -> JSONResponse:
     result = await svc.store.cancel(task_id, principal.task_scope)
     if result.verdict == "not_found":
         raise _not_found(task_id)
+    if result.verdict == "part_of":  # its parent's other parts would run on for nothing
+        message = (
+            f"Task {task_id!r} is a part of task {result.parent!r}; "
+            f"DELETE /tasks/{result.parent} cancels it with all its parts."
+        )
+        raise ApiError(409, "part_of_task", message, parent=result.parent)
     if result.verdict == "conflict":
         message = f"Task {task_id!r} already ended ({result.status})."
         raise ApiError(409, "conflict", message, status=result.status)

@@ -6,33 +6,28 @@
 -- result is kept and it leaves the queue (and its tenant's lane).
 -- Under fair share, a laned task's measured device time (`device_us`, sent when fair
 -- share counts device time) settles what its claim charged its tenant (settle_time).
--- ARGV[1]: {id, worker, class, attempt, status, error, progress, ttl_s, device_us?};
--- ARGV[2]: result JSON or ''.
+-- A part (of a task split into parts) keeps no result of its own: its entries (the
+-- result JSON, a list of `entries` entries) go to its parent's parts (fold(), in
+-- lib/parts.lua), which may end the parent.
+-- ARGV[1]: {id, worker, class, attempt, status, error, progress, ttl_s, device_us?,
+--           entries? (a part's)}; ARGV[2]: result JSON or ''.
 -- Returns {'ok', ended_ms} | {'duplicate', status} | {'gone'} | {'fenced'}.
 local o = cjson.decode(ARGV[1])
-local jk = K.job(o.id)
-local ik = K.inflight(o.worker, o.class)
-local f = redis.call('HMGET', jk, 'status', 'worker_name', 'tenant', 'quota', 'attempts',
-  'origin', 'bytes', 'lane', 'created_ms', 'items', 'fc', 'type')
-if not f[1] then
-  redis.call('LREM', ik, 0, o.id)
-  return {'gone'}
+local stop, f, now = arrive('finish', o, {'tenant', 'quota', 'origin', 'bytes', 'fc', 'type',
+  'parent', 'part', 'pf'})
+if stop then return stop end
+local charged = tonumber(f.fc)
+if o.device_us and charged and charged > 0 and f.lane and f.lane ~= '' then
+  settle_time(o.class, f.lane, f.type or '-', f.items, charged, o.device_us)
 end
-if superseded(f[1], f[2], f[5], o.worker, o.attempt) then return {fenced('finish')} end
-local removed = redis.call('LREM', ik, 0, o.id)
-if FINAL[f[1]] then return {'duplicate', f[1]} end
-local now = now_ms()
-if removed == 0 then -- handed back, queued again: it leaves the queue and its lane
-  unlist(o.class, o.id, f[9], now, f[10])
-  unlane(o.class, o.id, f[8], f[10])
-end
-local charged = tonumber(f[11])
-if o.device_us and charged and charged > 0 and f[8] and f[8] ~= '' then
-  settle_time(o.class, f[8], f[12] or '-', f[10], charged, o.device_us)
-end
+local parent = f.parent
 local extra = {}
-if ARGV[2] ~= '' then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end
+if ARGV[2] ~= '' and not parent then extra[#extra + 1] = 'result'; extra[#extra + 1] = ARGV[2] end
 if o.error ~= '' then extra[#extra + 1] = 'error'; extra[#extra + 1] = o.error end
 if o.progress ~= '' then extra[#extra + 1] = 'progress'; extra[#extra + 1] = o.progress end
-finalize(o.id, o.status, now, o.ttl_s, extra, quota_of(f[3], f[4]), f[6], f[7])
+finalize(o.id, o.status, now, o.ttl_s, extra, quota_of(f.tenant, f.quota), f.origin, f.bytes)
+if parent then
+  fold(parent, tonumber(f.part), o.status, ARGV[2], tonumber(o.entries) or 0, o.error, f.pf, now,
+    o.ttl_s)
+end
 return {'ok', now}

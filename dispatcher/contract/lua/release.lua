@@ -9,14 +9,15 @@
 -- 'failed' or 'canceled', 'fenced', or what it found.
 local o = cjson.decode(ARGV[1])
 local f = redis.call('HMGET', K.job(o.id), 'status', 'cancel', 'tenant', 'quota', 'attempts',
-  'worker_name', 'bytes')
+  'worker_name', 'bytes', 'parent', 'part')
 if f[1] and superseded(f[1], f[6], f[5], o.worker, o.attempt) then return fenced('release') end
 if redis.call('LREM', K.inflight(o.worker, o.class), 0, o.id) == 0 then return 'gone' end
 if f[1] ~= 'started' then return f[1] or 'gone' end
 if o.fault then return (lose(o.id, o.class, o.worker, now_ms(), o, o.fault)) end
 if f[2] == '1' then -- its client canceled it meanwhile: back in the queue it would run
-  finalize(o.id, 'canceled', now_ms(), o.ttl_s, {'error', cjson.encode({code = 'canceled',
-    message = 'Canceled while running.'})}, quota_of(f[3], f[4]), o.class, f[7])
+  local now, why = now_ms(), cjson.encode({code = 'canceled', message = 'Canceled while running.'})
+  finalize(o.id, 'canceled', now, o.ttl_s, {'error', why}, quota_of(f[3], f[4]), o.class, f[7])
+  if f[8] then fold(f[8], tonumber(f[9]), 'canceled', '', 0, why, 0, now, o.ttl_s) end
   return 'canceled'
 end
 requeue(o.id, o.class, o.classes, {}, o.at_head)

@@ -20,7 +20,7 @@ end
 local function lose(id, cls, w, now, o, fault)
   local jk = K.job(id)
   local f = redis.call('HMGET', jk, 'status', 'lost', 'attempts', 'history', 'cancel', 'tenant',
-    'quota', 'type', 'bytes', 'items')
+    'quota', 'type', 'bytes', 'items', 'parent', 'part')
   local task_type = f[8] or '-'
   local items = tonumber(f[10]) or 1
   if not f[1] or FINAL[f[1]] then return 'gone', task_type, items end
@@ -32,9 +32,11 @@ local function lose(id, cls, w, now, o, fault)
   history[#history + 1] = entry
   local hist = cjson.encode(history)
   if f[5] == '1' then
-    finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
-      cjson.encode({code = 'canceled', message = 'Canceled; its worker stopped while canceling it.'})},
+    local why = cjson.encode({code = 'canceled',
+      message = 'Canceled; its worker stopped while canceling it.'})
+    finalize(id, 'canceled', now, o.ttl_s, {'lost', lost, 'history', hist, 'error', why},
       quota, cls, f[9])
+    if f[11] then fold(f[11], tonumber(f[12]), 'canceled', '', 0, why, 0, now, o.ttl_s) end
     return 'canceled', task_type, items
   end
   if lost >= o.max_attempts then
@@ -45,8 +47,10 @@ local function lose(id, cls, w, now, o, fault)
       error.message = 'The task hit a GPU fault or lost its worker ' .. lost ..
         ' times; giving up. Last: ' .. fault.message
     end
-    finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error',
-      cjson.encode(error)}, quota, cls, f[9])
+    local why = cjson.encode(error)
+    finalize(id, 'failed', now, o.ttl_s, {'lost', lost, 'history', hist, 'error', why},
+      quota, cls, f[9])
+    if f[11] then fold(f[11], tonumber(f[12]), 'failed', '', 0, why, 0, now, o.ttl_s) end
     return 'failed', task_type, items
   end
   requeue(id, cls, o.classes, {'lost', lost, 'history', hist}, true)

@@ -28,3 +28,33 @@ local function quota_of(tenant, quota)
   if quota == '1' and tenant then return tenant end
   return false
 end
+
+-- A worker's closing report (finish, split) arriving for task o.id. Reads the record's
+-- `status`, `worker_name`, `attempts`, `lane`, `created_ms`, `items` and the names in
+-- `more` into a table by name, and settles where the run stands: the task gone, a
+-- superseded run (fenced), a task that already ended (reported once), or one handed
+-- back meanwhile and queued again (it leaves its queue and lane: the report stands).
+-- Returns nil, the fields and the time; or, for a report that stops here, its reply.
+local function arrive(report, o, more)
+  local names = {'status', 'worker_name', 'attempts', 'lane', 'created_ms', 'items'}
+  for _, name in ipairs(more) do names[#names + 1] = name end
+  local ik = K.inflight(o.worker, o.class)
+  local v = redis.call('HMGET', K.job(o.id), unpack(names))
+  if not v[1] then
+    redis.call('LREM', ik, 0, o.id)
+    return {'gone'}
+  end
+  local f = {}
+  for i, name in ipairs(names) do f[name] = v[i] end
+  if superseded(f.status, f.worker_name, f.attempts, o.worker, o.attempt) then
+    return {fenced(report)}
+  end
+  local removed = redis.call('LREM', ik, 0, o.id)
+  if FINAL[f.status] then return {'duplicate', f.status} end
+  local now = now_ms()
+  if removed == 0 then
+    unlist(o.class, o.id, f.created_ms, now, f.items)
+    unlane(o.class, o.id, f.lane, f.items)
+  end
+  return nil, f, now
+end
