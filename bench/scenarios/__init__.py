@@ -19,4 +19,5 @@ SCENARIOS = (
     "embed_api",
     "generate",
     "device",
+    "documents",
 )
