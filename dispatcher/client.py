@@ -204,10 +204,6 @@ class _Base:
             return None
         return _delay(attempt, response, self.max_delay_s)
 
-    def _result(self, response: httpx.Response | None) -> dict[str, Any]:
-        result: dict[str, Any] = self._value(response)
-        return result
-
     def _value(self, response: httpx.Response | None) -> Any:
         if response is None:
             raise httpx.ConnectError(f"cannot reach {self.url} (after {self.max_retries} retries)")
@@ -310,10 +306,7 @@ class Client(_Base):
                 on_update(record)
             if record["status"] in FINAL:
                 if record.get("result_url"):  # stored in parts, too large for the record
-                    return {
-                        **record,
-                        "result": self._send_any(_Request("GET", record["result_url"])),
-                    }
+                    return {**record, "result": self.result(task_id)}
                 return record
             if deadline is not None and time.monotonic() >= deadline:
                 raise _timed_out(task_id, record, timeout_s)
@@ -414,8 +407,7 @@ class AsyncClient(_Base):
                 on_update(record)
             if record["status"] in FINAL:
                 if record.get("result_url"):  # stored in parts, too large for the record
-                    whole = await self._send_any(_Request("GET", record["result_url"]))
-                    return {**record, "result": whole}
+                    return {**record, "result": await self.result(task_id)}
                 return record
             if deadline is not None and time.monotonic() >= deadline:
                 raise _timed_out(task_id, record, timeout_s)

@@ -217,30 +217,11 @@ class RunningTask:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def map(
-        self,
-        task_type: str,
-        items: list[dict[str, Any]],
-        *,
-        into: str = "results",
-        flatten: bool = False,
-        result: dict[str, Any] | None = None,
-        first: int = 1,
-        labels: list[str] | None = None,
-    ) -> Split:
+    def map(self, task_type: str, items: list[dict[str, Any]], **options: Any) -> Split:
+        # TaskContext.map documents the options; Splitter.split checks them.
         if self._splitter is None:
             raise ValueError("this worker runs no splits")
-        return self._splitter.split(
-            self.parent,
-            self.file,
-            task_type,
-            items,
-            into=into,
-            flatten=flatten,
-            result=result,
-            first=first,
-            labels=labels,
-        )
+        return self._splitter.split(self.parent, self.file, task_type, items, **options)
 
     def workers(self) -> int:
         return self._splitter.workers(self.task_class) if self._splitter is not None else 1

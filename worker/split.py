@@ -47,11 +47,11 @@ class Splitter:
         task_type: str,
         items: list[dict[str, Any]],
         *,
-        into: str,
-        flatten: bool,
-        result: dict[str, Any] | None,
-        first: int,
-        labels: list[str] | None,
+        into: str = "results",
+        flatten: bool = False,
+        result: dict[str, Any] | None = None,
+        first: int = 1,
+        labels: list[str] | None = None,
     ) -> Split:
         """The checked split of a task (``parent``: its own parent, which forbids it)."""
         if parent is not None:

@@ -23,7 +23,7 @@ from dispatcher.contract import keys
 from dispatcher.contract.jobs import TaskStatus
 from dispatcher.contract.parts import EntryRange
 
-__all__ = ["Layout", "complete", "layout", "stream"]
+__all__ = ["Layout", "complete", "layout", "select", "stream"]
 
 
 @dataclass(frozen=True)
@@ -63,34 +63,38 @@ async def complete(client: Redis, record: dict[str, Any], max_bytes: int) -> dic
     if parts is not None:
         if parts["bytes"] + len(orjson.dumps(record["result"])) > max_bytes:
             return {**record, "result": None, "result_url": f"/tasks/{record['id']}/result"}
-        shape = await layout(client, record["id"], parts["count"])
-        fields = [str(k) for k in range(parts["count"])]
-        stored = await client.hmget(keys.parts(record["id"]), fields)
+        merge, stored = await _merged(client, record["id"], parts["count"])
         entries: list[Any] = []
         for raw in stored:
             entries.extend(orjson.loads(raw) if raw else [])
-        return {**record, "result": {**(record["result"] or {}), shape.merge: entries}}
+        return {**record, "result": {**(record["result"] or {}), merge: entries}}
     if record.get("parent") is not None and record.get("part") is not None:
         return {**record, "result": await _part_result(client, record["parent"], record["part"])}
     return record
 
 
+async def _merged(client: Redis, task_id: str, count: int) -> tuple[str, list[Any]]:
+    """The merged list's key and every part's stored entries, in one round trip."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hget(keys.job(task_id), "merge")
+        pipe.hmget(keys.parts(task_id), [str(k) for k in range(count)])
+        merge, stored = await pipe.execute()
+    return _text(merge, "results"), stored
+
+
 async def _part_result(client: Redis, parent: str, part: int) -> Any:
-    raw, (merge, flatten) = await _both(client, parent, part)
+    """A part's own result, from its parent's store: its entries (under the parent's
+    key when its result held a list there), or its one entry."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hget(keys.parts(parent), str(part))
+        pipe.hmget(keys.job(parent), ["merge", "flatten"])
+        raw, (merge, flatten) = await pipe.execute()
     if raw is None:
         return None
     entries = orjson.loads(raw)
     if flatten == b"1":
         return {_text(merge, "results"): entries}
     return entries[0] if entries else None
-
-
-async def _both(client: Redis, parent: str, part: int) -> tuple[bytes | None, list[Any]]:
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.hget(keys.parts(parent), str(part))
-        pipe.hmget(keys.job(parent), ["merge", "flatten"])
-        raw, fields = await pipe.execute()
-    return raw, fields
 
 
 def select(shape: Layout, wanted: EntryRange | None) -> list[tuple[int, int, int]]:

@@ -84,7 +84,9 @@ COUNTERS = {
     # Device seconds the tasks used, as their workers measured them (a float counter,
     # written by heartbeat.lua from Recorder.use's usage with the minute's bucket).
     "device": ("gpulane_device_seconds_total", ("tenant", "class", "type")),
-    # Counted by the scripts themselves (c|fenced|<report>), not through a Recorder.
+    # Counted by the scripts themselves (c|fenced|<report>), not through a Recorder;
+    # so are a split's parts as submitted and a split task's end as finished (split.lua,
+    # lib/parts.lua: no worker reports them).
     "fenced": ("gpulane_reports_fenced_total", ("report",)),
 }
 HISTOGRAMS = {

@@ -58,8 +58,9 @@ async def task_result(
         if wanted is not None:
             message = f"Task {task_id!r} did not split into parts; read its result whole."
             raise ApiError(422, "invalid_request", message)
-        whole = await svc.store.get(task_id, principal.task_scope)
-        return JSONResponse(whole["result"] if whole else None, headers=headers)
+        # A task's record holds its result; a part's is read from its parent's parts.
+        whole = await parts.complete(svc.client, record, svc.settings.max_result_bytes)
+        return JSONResponse(whole["result"], headers=headers)
     shape = await parts.layout(svc.client, task_id, split["count"])
     body = await parts.stream(svc.client, record, shape, wanted)
     return StreamingResponse(body, media_type="application/json", headers=headers)
