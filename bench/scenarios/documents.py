@@ -87,7 +87,7 @@ def _documents(cfg: Size) -> dict[str, tuple[bytes, list[str]]]:
     """name -> (the PDF, every page's true text)."""
     manual = (_pdfs() / "refman.pdf").read_bytes()
     if cfg.text_pages is not None:
-        manual = scan_free_prefix(manual, cfg.text_pages)
+        manual = first_pages(manual, cfg.text_pages)
     intro = (_pdfs() / "R-intro.pdf").read_bytes()
     return {
         "refman.pdf (text)": (manual, page_texts(manual)),
@@ -98,7 +98,7 @@ def _documents(cfg: Size) -> dict[str, tuple[bytes, list[str]]]:
     }
 
 
-def scan_free_prefix(pdf: bytes, pages: int) -> bytes:
+def first_pages(pdf: bytes, pages: int) -> bytes:
     """The first ``pages`` pages of ``pdf``, text layer kept (smoke size)."""
     import io
 
