@@ -89,7 +89,7 @@ def test_a_page_range_and_max_pages(http: httpx.Client, start_worker: WorkerFact
     # Read back by the document's page numbers, which start at 11 here.
     ranged = http.get(f"/tasks/{task['id']}/result?pages=12-13").json()
     assert [p["text"] for p in ranged["text"]] == ["p12", "p13"]
-    assert http.get(f"/tasks/{task['id']}/result?pages=1-3").status_code == 422
+    assert http.get(f"/tasks/{task['id']}/result?pages=1-3").status_code == 416
     outside = _post(http, pdf, '{"pages": "25-40"}')
     error = wait_status(http, outside["id"], {"failed"})["error"]
     assert error["code"] == "pages_out_of_range" and "30 pages" in error["message"]

@@ -66,14 +66,17 @@ def test_flattened_parts_read_back_by_range(
     assert ranged.json() == {"parts": 4, "workers": 1, "values": [0, 1, -1, 2]}
     assert http.get(f"/tasks/{task['id']}/result?pages=8").json()["values"] == [-3]
     past = http.get(f"/tasks/{task['id']}/result", params={"pages": "5-9"})
-    assert past.status_code == 422 and "1-8" in past.json()["message"]
+    assert past.status_code == 416 and "1-8" in past.json()["message"]
+    assert past.json()["error"] == "range_not_satisfiable" and past.json()["entries"] == 8
+    # A range no result can hold is the same answer; one that is not a range is a 422.
     backwards = http.get(f"/tasks/{task['id']}/result", params={"pages": "5-2"})
-    assert backwards.status_code == 422
+    assert backwards.status_code == 416, backwards.text
+    assert http.get(f"/tasks/{task['id']}/result?pages=x").status_code == 422
     # A task that did not split has its result whole, never by range.
     plain = submit(http, "echo", {"a": 1})
     wait_status(http, plain["id"], {"succeeded"})
     assert http.get(f"/tasks/{plain['id']}/result").json() == {"a": 1}
-    assert http.get(f"/tasks/{plain['id']}/result?pages=1").status_code == 422
+    assert http.get(f"/tasks/{plain['id']}/result?pages=1").status_code == 416
     running = submit(http, "sleep", {"seconds": 5})
     assert http.get(f"/tasks/{running['id']}/result").status_code == 409
     assert http.get("/tasks/no-such-task/result").status_code == 404

@@ -72,6 +72,7 @@ _WHEN = {
     404: "No such task, another tenant's, or a route this key may not use.",
     409: "The task already ended.",
     413: "Body or file over its limit.",
+    416: "A result's ?pages= range it does not hold (or a result not stored in parts).",
     422: "Invalid request (fields, args against the type's schema, Idempotency-Key).",
     429: "Tenant over its rate or max_in_flight.",
     503: "queue_full, no_workers, or store_unavailable (Redis unreachable, full, read-only).",

@@ -99,11 +99,11 @@ async def _part_result(client: Redis, parent: str, part: int) -> Any:
 
 def select(shape: Layout, wanted: EntryRange | None) -> list[tuple[int, int, int]]:
     """The parts holding the ``wanted`` entries (all: None), each as (part, the first
-    entry to take in it, the entry after the last); 422 for a range past the result."""
+    entry to take in it, the entry after the last); 416 for a range past the result."""
     if wanted is not None and (wanted.first < shape.first or wanted.last > shape.last):
         held = f"{shape.first}-{shape.last}" if shape.entries else "none"
         message = f"pages={wanted} is out of range: the result holds entries {held}."
-        raise ApiError(422, "invalid_request", message, entries=shape.entries)
+        raise ApiError(416, "range_not_satisfiable", message, entries=shape.entries)
     out = []
     at = shape.first
     for part, n in enumerate(shape.counts):
@@ -121,7 +121,7 @@ async def stream(
 ) -> AsyncIterator[bytes]:
     """The result's JSON, its parts read one at a time: the task's own fields, then the
     merged list (or its ``wanted`` range)."""
-    chosen = select(shape, wanted)  # before the first byte: a 422 is still possible
+    chosen = select(shape, wanted)  # before the first byte: a 416 is still possible
     return _chunks(client, record, shape, chosen)
 
 

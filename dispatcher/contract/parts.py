@@ -72,12 +72,17 @@ class EntryRange:
         return self.last - self.first + 1
 
 
+class BackwardRange(ValueError):
+    """A well-formed range that ends before it starts: no result can satisfy it."""
+
+
 def parse_range(text: str) -> EntryRange:
-    """``"7"`` or ``"1-100"``; ValueError with a message a client can act on."""
+    """``"7"`` or ``"1-100"``; ValueError with a message a client can act on
+    (:class:`BackwardRange` for ``"8-4"``)."""
     if not _RANGE.fullmatch(text):
         raise ValueError(f"a range is a number or two joined by '-', such as 1-100; got {text!r}")
     first, _, last = text.partition("-")
     out = EntryRange(int(first), int(last or first))
     if out.last < out.first:
-        raise ValueError(f"range {text!r} ends before it starts")
+        raise BackwardRange(f"range {text!r} ends before it starts")
     return out

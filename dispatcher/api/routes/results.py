@@ -11,7 +11,7 @@ from dispatcher.api import parts
 from dispatcher.api.deps import caller, extra_headers, services
 from dispatcher.api.errors import ApiError, error_responses
 from dispatcher.contract.jobs import TaskStatus
-from dispatcher.contract.parts import RANGE_PATTERN, EntryRange, parse_range
+from dispatcher.contract.parts import RANGE_PATTERN, BackwardRange, EntryRange, parse_range
 
 __all__ = ["router"]
 
@@ -30,7 +30,7 @@ _RESULT = {
 @router.get(
     "/tasks/{task_id}/result",
     tags=["tasks"],
-    responses={200: _RESULT, **error_responses(400, 401, 404, 409, 422, 429, 503)},
+    responses={200: _RESULT, **error_responses(400, 401, 404, 409, 416, 422, 429, 503)},
     response_model=None,
 )
 async def task_result(
@@ -57,7 +57,7 @@ async def task_result(
     if split is None:
         if wanted is not None:
             message = f"Task {task_id!r} did not split into parts; read its result whole."
-            raise ApiError(422, "invalid_request", message)
+            raise ApiError(416, "range_not_satisfiable", message)
         # A task's record holds its result; a part's is read from its parent's parts.
         whole = await parts.complete(svc.client, record, svc.settings.max_result_bytes)
         return JSONResponse(whole["result"], headers=headers)
@@ -71,5 +71,7 @@ def _range(pages: str | None) -> EntryRange | None:
         return None
     try:
         return parse_range(pages)
+    except BackwardRange as exc:
+        raise ApiError(416, "range_not_satisfiable", f"pages: {exc}.") from exc
     except ValueError as exc:
         raise ApiError(422, "invalid_request", f"pages: {exc}.") from exc
