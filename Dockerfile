@@ -11,7 +11,18 @@ COPY pyproject.toml README.md ./
 COPY dispatcher ./dispatcher
 COPY worker ./worker
 COPY gpulane.py ./
-RUN pip install . && useradd --create-home --uid 1000 gpulane
+# Offline builds: wheels in .wheelhouse/ (`pip wheel -w .wheelhouse .` on a host that
+# reaches a package index) are installed with no index at all; without any, `pip install .`
+# takes the dependencies from PyPI as usual. README.md is named only so that the COPY
+# has a source when .wheelhouse/ does not exist.
+COPY README.md .wheelhous[e] /tmp/wheels/
+RUN if ls /tmp/wheels/*.whl >/dev/null 2>&1; then \
+        pip install --no-index --find-links /tmp/wheels gpulane; \
+    else \
+        pip install .; \
+    fi \
+    && rm -rf /tmp/wheels \
+    && useradd --create-home --uid 1000 gpulane
 
 USER gpulane
 EXPOSE 8000

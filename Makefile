@@ -28,9 +28,10 @@ test: $(VENV)/.dev-deps ## the default suite, a few minutes on 2 cores
 	@scripts/infinity-venv.sh
 	GPULANE_REQUIRE_MODELS=1 $(BIN)/pytest
 
-test-slow: $(VENV)/.dev-deps ## the slow fault tests (chaos); CI runs them too
+test-slow: $(VENV)/.dev-deps ## the slow fault tests (chaos, containers); CI runs them too
 	@scripts/ensure-redis.sh
 	@scripts/ensure-test-tools.sh
+	@scripts/ensure-docker.sh
 	@scripts/llama-venv.sh
 	@scripts/infinity-venv.sh
 	$(BIN)/pytest -m slow

@@ -73,6 +73,8 @@ def test_redis_is_durable_private_and_checked() -> None:
     assert "healthcheck" in redis and "ping" in " ".join(redis["healthcheck"]["test"])
     assert any(":/data" in volume for volume in redis["volumes"])
     assert "ports" not in redis  # not published on the host
+    # Said in the file, not left to an image's entrypoint: only the stack's network sees it.
+    assert "--protected-mode no" in command
 
 
 def test_api_and_worker() -> None:
@@ -126,3 +128,8 @@ def test_cpu_overlay_runs_the_same_stack_without_gpus() -> None:
 def test_dockerfile_installs_the_package() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "pip install ." in text and "USER gpulane" in text
+    assert "--no-index --find-links /tmp/wheels" in text  # the offline build's branch
+    # The build context is the package (and its wheels), never the venvs beside it.
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    rules = [line for line in lines if line and not line.startswith("#")]
+    assert rules[0] == "*" and {"!dispatcher", "!worker", "!.wheelhouse"} <= set(rules)
