@@ -1,17 +1,19 @@
-"""Admission arithmetic against known drain rates."""
+"""Admission arithmetic against known drain rates: the read side's (GET /queues), and
+what submit.lua answers a submit with (pressure, Retry-After), on the real Redis."""
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from dispatcher.api.admission import (
-    NO_WORKERS_RETRY_S,
-    estimate_s,
-    pressure,
-    retry_after_s,
-    retry_after_wait_s,
-)
-from dispatcher.contract.settings import ClassConfig
+import pytest
+import redis
+
+from dispatcher.api.admission import estimate_s, pressure
+from dispatcher.api.store import Record, Submission, submit_options
+from dispatcher.contract import keys
+from dispatcher.contract.jobs import encode_call
+from dispatcher.contract.scripts import SyncScripts
+from dispatcher.contract.settings import ClassConfig, Settings
 
 CFG = ClassConfig(max_queued=100, max_wait_s=60)
 
@@ -43,29 +45,92 @@ def test_pressure_without_workers_when_class_requires_them() -> None:
     assert pressure(0, 1.0, 0, cfg) == "full"
 
 
-def test_retry_after_by_wait_limit() -> None:
-    # 2 workers, 1 s per task: drains 2 tasks/s. A new task is accepted behind at most
-    # floor(60 * 2 / 1) - 1 = 119 tasks; 129 queued -> 10 too many -> 5 s.
+def _answer(
+    r: redis.Redis,
+    cfg: ClassConfig,
+    *,
+    run_s: float,
+    workers: int,
+    queued: int = 0,
+    items: int = 1,
+    serving: int | None = None,
+) -> tuple[str, str, int]:
+    """submit.lua's verdict, pressure and Retry-After for a request of ``items`` items
+    behind ``queued`` queued tasks (``serving`` workers, ``workers`` of them fitting)."""
+    settings = Settings(redis_url="redis://unused", classes={"batch": cfg, "interactive": cfg})
+    if queued:
+        r.rpush(keys.queue("batch"), *[f"filler-{i}" for i in range(queued)])
+    sub = Submission("echo", "batch", {}, timeout_s=60, tenant="t")
+    records = [Record("echo", encode_call("echo", {}), 60, items=items)]
+    opts = submit_options(sub, cfg, workers, run_s, settings, serving, records)
+    reply: list[Any] = SyncScripts(r).run("submit", opts, records[0].data, "")
+    verdict = reply[0].decode()
+    if verdict == "accepted":
+        return verdict, reply[5].decode(), 0
+    return verdict, "full", int(reply[5])
+
+
+def test_retry_after_by_wait_limit(r: redis.Redis) -> None:
+    # 2 workers, 1 s per task: 129 ahead wait (129 / 2 + 1 / 2) s = 65 s, 5 s over 60.
     cfg = ClassConfig(max_queued=1000, max_wait_s=60)
-    assert retry_after_s(129, 1.0, 2, cfg) == 5
+    assert _answer(r, cfg, run_s=1.0, workers=2, queued=129) == ("queue_full", "full", 5)
 
 
-def test_retry_after_by_depth_limit() -> None:
-    # max_queued 100 -> accepted behind at most 99; depth 100 with 4 tasks/s -> 1 s (never 0).
-    assert retry_after_s(100, 0.25, 1, CFG) == 1
-    assert retry_after_s(140, 0.25, 1, CFG) == 11  # 41 too many at 4/s -> 10.25 -> 11
+def test_retry_after_by_depth_limit(r: redis.Redis) -> None:
+    # max_queued 100: at 100 queued one more is 1 too many, gone in 0.25 s: 1 s (never 0).
+    assert _answer(r, CFG, run_s=0.25, workers=1, queued=100) == ("queue_full", "full", 1)
 
 
-def test_retry_after_without_workers() -> None:
-    assert retry_after_s(5, 1.0, 0, CFG) == NO_WORKERS_RETRY_S
+def test_retry_after_by_depth_counts_the_whole_request(r: redis.Redis) -> None:
+    # 140 queued and 1 more is 41 too many at 4/s: 10.25 s, so 11.
+    assert _answer(r, CFG, run_s=0.25, workers=1, queued=140)[2] == 11
 
 
-def test_retry_after_a_wait_refusal_comes_from_the_estimate_that_refused_it() -> None:
+def test_retry_after_a_request_of_many_items_waits_for_room_for_all(r: redis.Redis) -> None:
+    # 90 queued, a chunk of 30 items: 20 too many at 4/s is 5 s.
+    assert _answer(r, CFG, run_s=0.25, workers=1, queued=90, items=30)[2] == 5
+
+
+def test_retry_after_without_a_fitting_worker(r: redis.Redis) -> None:
+    # Workers serve the class, none fits: about one lease, whatever the queue.
+    assert _answer(r, CFG, run_s=1.0, workers=0, serving=2) == ("no_workers", "full", 5)
+
+
+def test_retry_after_a_wait_refusal_comes_from_the_estimate_that_refused_it(
+    r: redis.Redis,
+) -> None:
     cfg = ClassConfig(max_wait_s=10)
-    assert retry_after_wait_s(12.0, cfg) == 2  # 2 s too long: back under it in 2 s
-    assert retry_after_wait_s(10.001, cfg) == 1
-    assert retry_after_wait_s(10**6, cfg) == 3600
-    # Fair share: a small tenant's estimate counts 3 tasks ahead, not the class's 300
-    # (which the depth arithmetic would use: 300 at 0.5/s is 10 minutes).
-    assert retry_after_wait_s((3 / 2 + 1 / 2) * 4 + 4, cfg) == 2
-    assert retry_after_s(300, 4.0, 2, cfg) > 500
+    # 11 ahead at 1 s on 1 worker: the estimate is 12 s, 2 s too long.
+    assert _answer(r, cfg, run_s=1.0, workers=1, queued=11) == ("queue_full", "full", 2)
+    # At most an hour, however deep.
+    assert _answer(r, ClassConfig(max_queued=10**6, max_wait_s=10), run_s=100.0, workers=1,
+                   queued=500)[2] == 3600  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("queued", "run_s", "workers", "expected"),
+    [
+        (0, 1.0, 2, "ok"),
+        (48, 0.01, 2, "ok"),  # 49 of 100 after it
+        (49, 0.01, 2, "high"),  # half of max_queued after it
+        (58, 1.0, 1, "high"),  # the next one's estimate is 60 s: at max_wait_s, not over
+        (59, 1.0, 1, "full"),  # the next one's would be 61 s
+        (99, 0.01, 8, "full"),  # max_queued reached: the next is refused
+    ],
+)
+def test_the_pressure_of_an_accepted_submit_is_what_the_next_one_meets(
+    r: redis.Redis, queued: int, run_s: float, workers: int, expected: str
+) -> None:
+    assert _answer(r, CFG, run_s=run_s, workers=workers, queued=queued) == ("accepted", expected, 0)
+
+
+def test_an_unmeasured_run_time_never_raises_the_pressure(r: redis.Redis) -> None:
+    # A fresh pool's guess of the run time (measured false) never refuses, nor warns.
+    settings = Settings(redis_url="redis://unused")
+    cfg = ClassConfig(max_wait_s=1)
+    r.rpush(keys.queue("batch"), *[f"filler-{i}" for i in range(10)])
+    sub = Submission("echo", "batch", {}, timeout_s=60, tenant="t")
+    records = [Record("echo", encode_call("echo", {}), 60)]
+    opts = submit_options(sub, cfg, 1, 30.0, settings, None, records, measured=False)
+    reply = SyncScripts(r).run("submit", opts, records[0].data, "")
+    assert reply[0] == b"accepted" and reply[5] == b"ok"

@@ -8,20 +8,17 @@ What was accepted or refused is counted here, once; a refusal is raised."""
 from __future__ import annotations
 
 from dispatcher.api.deps import Services
-from dispatcher.api.pool import ClassState
 from dispatcher.api.refusals import REFUSED, refusal
 from dispatcher.api.store import Record, Submission, SubmitResult
 
 __all__ = ["admit"]
 
 
-async def admit(
-    svc: Services, sub: Submission, records: list[Record]
-) -> tuple[SubmitResult, ClassState]:
+async def admit(svc: Services, sub: Submission, records: list[Record]) -> SubmitResult:
     """Submit ``records`` (one task's, a bulk's, a request's chunks) for ``sub``'s
     tenant in its class, admitted whole or refused whole: the 429/503 is raised; an
-    accepted request, a replay or a reused Idempotency-Key comes back with the state
-    it was admitted against."""
+    accepted request, a replay or a reused Idempotency-Key comes back (its answer's
+    signals, pressure and Retry-After, are the script's: ``SubmitResult``)."""
     state = (await svc.pool.cached()).admitting(sub.cls, sub.task_type, sub.routed)
     result = await svc.store.submit_records(sub, records, state)
     if result.verdict == "no_workers":
@@ -33,5 +30,5 @@ async def admit(
         svc.recorder.count("submitted", sub.cls, sub.task_type, n=items)
     elif result.verdict in REFUSED:
         svc.recorder.count("rejected", sub.cls, result.verdict)
-        raise refusal(result, state, sub, items)
-    return result, state
+        raise refusal(result, state, sub)
+    return result

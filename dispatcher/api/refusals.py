@@ -4,10 +4,8 @@ routes)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from dispatcher.api import admission
 from dispatcher.api.errors import ApiError
 from dispatcher.api.pool import ClassState
 from dispatcher.api.store import Submission, SubmitResult
@@ -33,35 +31,24 @@ def over_limit(message: str, retry_s: int) -> ApiError:
     )
 
 
-def refusal(result: SubmitResult, state: ClassState, sub: Submission, items: int = 1) -> ApiError:
-    """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings);
-    ``items``: the request's (Retry-After waits for room for all of them)."""
+def refusal(result: SubmitResult, state: ClassState, sub: Submission) -> ApiError:
+    """The 429/503 for a submit admission refused (POST /tasks and /v1/embeddings),
+    worded here; the verdict, the limit and Retry-After are submit.lua's."""
+    retry = result.retry_after_s or 1
     if result.verdict == "device_quota":
-        retry = max(math.ceil(int(result.limit or 0) / 1000), 1)
         return over_limit(
             f"Tenant {sub.tenant!r} used its {sub.device_quota_s:g} device-seconds of the "
             f"last hour (device_seconds_per_hour); retry in {retry} s.",
             retry,
         )
     if result.verdict == "over_quota":
-        retry = max(math.ceil(state.run_s), 1)  # about when one of its tasks ends
         return over_limit(
             f"Tenant {sub.tenant!r} has {sub.max_in_flight} tasks queued or running, its "
             f"max_in_flight; retry in {retry} s.",
             retry,
         )
-    # The queue drains at the whole class's pace; with no card that fits, a bigger one
-    # may join within a lease (NO_WORKERS_RETRY_S). Refused by its wait: the estimate
-    # that refused it says how much too long (under fair share only the tasks fair
-    # order puts ahead count, not the class's whole depth).
-    workers = state.workers if state.fitting(sub.gpu_memory_mb) else 0
-    if result.limit == "wait" and result.estimated_wait_s is not None:
-        retry = admission.retry_after_wait_s(result.estimated_wait_s, state.config)
-    else:
-        depth = result.depth + items - 1  # as deep as the queue its last item joins
-        retry = admission.retry_after_s(depth, state.run_s, workers, state.config)
     headers = {
-        **backpressure(result.depth, result.estimated_wait_s, "full"),
+        **backpressure(result.depth, result.estimated_wait_s, result.pressure),
         "Retry-After": str(retry),
     }
     extra: dict[str, Any] = {}

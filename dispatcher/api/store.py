@@ -105,6 +105,10 @@ class SubmitResult:
     task_type: str = ""
     limit: str = ""  # queue_full: the limit reached, 'depth', 'wait' or 'bytes'
     position: int | None = None  # accepted: tasks ahead of it (fair order under fair share)
+    # What submit.lua decided for the answer's headers: the pressure the next submit
+    # meets (accepted) and the Retry-After of a refusal, in seconds.
+    pressure: str = ""
+    retry_after_s: int | None = None
 
 
 @dataclass(frozen=True)
@@ -229,21 +233,16 @@ class TaskStore:
             )
         if verdict == "idempotency_key_reused":
             return SubmitResult(verdict, _text(reply[1]), -1, None)
-        depth = int(reply[2]) + (sum(r.items for r in records) if verdict == "accepted" else 0)
+        accepted = verdict == "accepted"
+        depth = int(reply[2]) + (sum(r.items for r in records) if accepted else 0)
         est_ms = int(reply[3])
-        est = est_ms / 1000 if est_ms >= 0 else None
-        accepted = verdict == "accepted"  # reply[4]: its position, or the limit refused
-        return SubmitResult(
-            verdict,
-            _text(reply[1]),
-            depth,
-            est,
-            "queued",
-            sub.cls,
-            sub.task_type,
-            limit="" if accepted or len(reply) <= 4 else _text(reply[4]),  # device_quota: ms
-            position=int(reply[4]) if accepted else None,
-        )
+        common = (verdict, _text(reply[1]), depth, est_ms / 1000 if est_ms >= 0 else None)
+        if accepted:  # reply[4]: its position, reply[5]: the pressure
+            return SubmitResult(*common, "queued", sub.cls, sub.task_type,
+                                position=int(reply[4]), pressure=_text(reply[5]))  # fmt: skip
+        # reply[4]: the limit refused (device_quota: ms), reply[5]: Retry-After.
+        return SubmitResult(*common, "queued", sub.cls, sub.task_type, limit=_text(reply[4]),
+                            pressure="full", retry_after_s=int(reply[5]))  # fmt: skip
 
     async def get(
         self, task_id: str, tenant: str | None, whole: bool = True

@@ -15,7 +15,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from dispatcher.api import admission
 from dispatcher.api.admit import admit
 from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import JSON_LINES, parse_bulk, split_item_id
@@ -161,7 +160,7 @@ async def submit_task(request: Request) -> JSONResponse:
             return await _submit_bulk(request, svc, principal, raw, kind in JSON_LINES)
     sub = await parse_submission(request, principal, svc.settings, svc.catalog, raw)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
-    result, state = await admit(svc, sub, [record_of(sub)])
+    result = await admit(svc, sub, [record_of(sub)])
     if result.verdict == "idempotency_key_reused":
         raise ApiError(
             422,
@@ -169,7 +168,7 @@ async def submit_task(request: Request) -> JSONResponse:
             f"This Idempotency-Key was first used for another request (task {result.task_id}); "
             "use a new key for a new request.",
         )
-    headers = _accepted_headers(request, svc, result, state)
+    headers = _accepted_headers(request, result)
     wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
     if wait_s is not None:
         final = await _wait_final(request, svc, result.task_id, principal.task_scope, wait_s)
@@ -203,8 +202,8 @@ async def _submit_bulk(
     sub = bulk.sub
     snap = await svc.pool.cached()
     add_headers(request, _class_headers(snap.classes[sub.cls]))
-    result, state = await admit(svc, sub, bulk.records)
-    headers = _accepted_headers(request, svc, result, state)
+    result = await admit(svc, sub, bulk.records)
+    headers = _accepted_headers(request, result)
     est = result.estimated_wait_s
     answer = {
         "class": sub.cls,
@@ -216,9 +215,7 @@ async def _submit_bulk(
     return JSONResponse(answer, status_code=202, headers=headers)
 
 
-def _accepted_headers(
-    request: Request, svc: Services, result: SubmitResult, state: ClassState
-) -> dict[str, str]:
+def _accepted_headers(request: Request, result: SubmitResult) -> dict[str, str]:
     """What every accepted submit answers with (a 202, a replay's 200, the final
     record's 200): its Location, then ``Idempotent-Replayed`` for a replay, else the
     backpressure signals."""
@@ -226,8 +223,7 @@ def _accepted_headers(
     if result.verdict == "duplicate":
         headers["Idempotent-Replayed"] = "true"
         return headers
-    pressure = admission.pressure(result.depth, state.run_s, state.workers, state.config)
-    headers.update(_backpressure(result.depth, result.estimated_wait_s, pressure))
+    headers.update(_backpressure(result.depth, result.estimated_wait_s, result.pressure))
     return headers
 
 

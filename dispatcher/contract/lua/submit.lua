@@ -15,13 +15,15 @@
 -- Fair share: with `lane` (the tenant, when tenants are configured) the records also
 -- join the tenant's lane (see the prelude), and the position and estimate count the
 -- work fair order puts ahead of it, not the whole class queue; `weight` is the tenant's.
--- Returns {'accepted', id, depth_before, est_ms, ahead} | {'duplicate', id, status, class, type}
---       | {'idempotency_key_reused', id}
---       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms, limit}
---       | {'device_quota', '', depth, est_ms, retry_ms} (the tenant's `dq`, below).
+-- Returns {'accepted', id, depth_before, est_ms, ahead, pressure}
+--       | {'duplicate', id, status, class, type} | {'idempotency_key_reused', id}
+--       | {'no_workers'|'queue_full'|'over_quota', '', depth, est_ms, limit, retry_s}
+--       | {'device_quota', '', depth, est_ms, retry_ms, retry_s} (the tenant's `dq`, below).
 -- depth: items queued in the class before this request. est_ms = -1: cannot estimate
 -- (no live worker serves the class). limit (queue_full): 'depth' (max_queued), 'wait'
--- (max_wait_s) or 'bytes' (max_queued_bytes).
+-- (max_wait_s) or 'bytes' (max_queued_bytes). The answer's signals are decided here,
+-- once, from the same counts that admitted or refused (the API only formats them):
+-- pressure ('ok' | 'high' | 'full', below) and retry_s, the Retry-After of a refusal.
 -- The idempotency key holds '<id> <fingerprint>' (the sha256 of the canonical request):
 -- the same key with another request is refused, never replayed.
 -- A device quota (`dq`, device microseconds per rolling hour): the tenant's usage in
@@ -88,28 +90,43 @@ if o.workers > 0 then
   est_ms = math.ceil((ahead / o.serving + items / o.workers) * o.run_s * 1000)
 end
 
+-- Retry-After of a refusal: when the same request would be accepted at the pool's
+-- current pace, in whole seconds from 1 to an hour.
+local NO_WORKERS_RETRY_S = 5 -- about one lease: a restarting worker is back by then
+local over_wait_s = 0 -- how far the estimate is over max_wait_s: it drains 1 s a second
+if o.measured and est_ms >= 0 then over_wait_s = est_ms / 1000 - o.max_wait_s end
+local function refuse(verdict, limit, retry_in_s)
+  return {verdict, '', depth, est_ms, limit, math.min(math.max(math.ceil(retry_in_s), 1), 3600)}
+end
+
 -- `workers`: live workers of the class whose card could hold the task; `serving`: all
 -- of them. Some serve it, none could hold it: refused whatever reject_without_workers.
 if o.workers == 0 and (o.reject_without_workers or o.serving > 0) then
-  return {'no_workers', '', depth, est_ms, ''}
+  return refuse('no_workers', '', NO_WORKERS_RETRY_S)
 end
-if depth + items > o.max_queued then return {'queue_full', '', depth, est_ms, 'depth'} end
-if o.measured and est_ms >= 0 and est_ms > o.max_wait_s * 1000 then
-  return {'queue_full', '', depth, est_ms, 'wait'}
+if depth + items > o.max_queued then
+  -- The items past max_queued leave at the class's pace; the wait, if measured, must
+  -- also be back under max_wait_s. A class that queues without workers: one lease.
+  local retry = NO_WORKERS_RETRY_S
+  if o.serving > 0 then
+    retry = math.max((depth + items - o.max_queued) * o.run_s / o.serving, over_wait_s)
+  end
+  return refuse('queue_full', 'depth', retry)
 end
+if over_wait_s > 0 then return refuse('queue_full', 'wait', over_wait_s) end
 local size = #file
 if size > 0 and size + tonumber(redis.call('GET', K.queued_bytes(o.class)) or '0') > o.max_bytes then
-  return {'queue_full', '', depth, est_ms, 'bytes'}
+  return refuse('queue_full', 'bytes', o.run_s) -- about when one upload's task has run
 end
 local tk = K.tenant_tasks(o.tenant)
 if o.max_in_flight > 0 and redis.call('ZCARD', tk) + #records > o.max_in_flight then
-  return {'over_quota', '', depth, est_ms, ''}
+  return refuse('over_quota', '', o.run_s) -- about when one of its tasks ends
 end
 
 local now = now_ms()
 if o.dq > 0 then
   local retry_ms = over_device_quota(o.tenant, o.dq, now)
-  if retry_ms then return {'device_quota', '', depth, est_ms, retry_ms} end
+  if retry_ms then return refuse('device_quota', retry_ms, retry_ms / 1000) end
 end
 local ts = iso(now)
 local quota = o.max_in_flight > 0 and '1' or '0'
@@ -141,4 +158,14 @@ for _, r in ipairs(records) do
   if not wake(o.class, o.classes, r.gpu_mb, r.routed and r.type) and r.gpu_mb == 0
     and not r.routed then break end
 end
-return {'accepted', records[1].id, depth, est_ms, ahead}
+-- The pressure the next submit meets: 'full' where it would be refused, 'high' past half
+-- of a limit (the class's items against max_queued; once measured, the estimate of one
+-- more item behind this request against max_wait_s), else 'ok'.
+local load, full = (depth + items) / o.max_queued, depth + items >= o.max_queued
+if o.measured and est_ms >= 0 then
+  local next_ms = est_ms + o.run_s * 1000 / o.workers
+  load = math.max(load, next_ms / (o.max_wait_s * 1000))
+  full = full or next_ms > o.max_wait_s * 1000
+end
+local pressure = full and 'full' or (load >= 0.5 and 'high' or 'ok')
+return {'accepted', records[1].id, depth, est_ms, ahead, pressure}
