@@ -16,7 +16,7 @@ import redis
 from conftest import WorkerFactory, make_settings
 from redis.asyncio import Redis as AsyncRedis
 
-from dispatcher.api.catalog import Catalog
+from dispatcher.api.task_types import Catalog
 from dispatcher.contract import keys
 from testkit import CLI, REPO, TEST_TASKS, ApiServer, free_port, run_cli, wait_for, worker_env
 

@@ -70,7 +70,7 @@ def test_catalog_entry_names_the_model(known_embed: None, redis_url: str) -> Non
 
     from redis.asyncio import Redis
 
-    from dispatcher.api.catalog import Catalog
+    from dispatcher.api.task_types import Catalog
 
     async def look() -> tuple[object, object]:
         client = Redis.from_url(redis_url)

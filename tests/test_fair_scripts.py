@@ -17,7 +17,7 @@ from dispatcher.api.exporter import parse, pool_families, render
 from dispatcher.api.pool import Pool, Snapshot
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import RECORD_FIELDS
-from dispatcher.contract.reaper import lease_options, reap_options
+from dispatcher.contract.reap import lease_options, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
 
 

@@ -23,7 +23,7 @@ from support.lua import CLASSES, SETTINGS, claim_tasks, finish, register, submit
 from dispatcher.api.exporter import parse, pool_families, render
 from dispatcher.api.pool import Snapshot
 from dispatcher.contract import keys
-from dispatcher.contract.reaper import lease_options, reap_options
+from dispatcher.contract.reap import lease_options, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
 from testkit import wait_for
 

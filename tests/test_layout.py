@@ -32,9 +32,9 @@ def test_worker_main_loads_no_api_module() -> None:
 
 
 def test_api_and_catalog_publisher_load_no_task_code() -> None:
-    # The configured catalog comes from a subprocess (python -m worker.catalog).
+    # The configured catalog comes from a subprocess (python -m worker.describe).
     loaded = _modules_after("import dispatcher.api.app, dispatcher.ops.catalog")
-    assert "dispatcher.api.catalog" in loaded
+    assert "dispatcher.api.task_types" in loaded
     assert not {m for m in loaded if m.split(".")[0] == "worker"}
 
 
@@ -56,7 +56,7 @@ def test_worker_loads_no_cuda_library_before_pinning() -> None:
         "dispatcher.contract.settings",
         "dispatcher.contract.metrics",
         "dispatcher.contract.workers",
-        "dispatcher.contract.reaper",
+        "dispatcher.contract.reap",
         "dispatcher.contract.exits",
         "dispatcher.contract.backoff",
         "dispatcher.contract.logs",

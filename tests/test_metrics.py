@@ -24,7 +24,7 @@ from dispatcher.api.exporter import Histogram, parse
 from dispatcher.api.stats import LatencyWindow, quantile
 from dispatcher.contract import keys
 from dispatcher.contract.metrics import BUCKETS, Recorder
-from dispatcher.contract.reaper import Reaped, record_reaped
+from dispatcher.contract.reap import Reaped, record_reaped
 from dispatcher.contract.settings import ClassConfig, Settings
 from testkit import ApiServer, wait_for
 

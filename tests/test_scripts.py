@@ -12,7 +12,7 @@ from support.lua import finish as _finish
 from dispatcher.api.store import Submission, submit_options
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import encode_call
-from dispatcher.contract.reaper import lease_options, parse_reaped, reap_options
+from dispatcher.contract.reap import lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import SyncScripts, options
 
 

@@ -18,7 +18,7 @@ from dispatcher import __version__
 from dispatcher.contract import keys
 from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.metrics import Drained
-from dispatcher.contract.reaper import Reaped, lease_options, parse_reaped, reap_options
+from dispatcher.contract.reap import Reaped, lease_options, parse_reaped, reap_options
 from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import FairCost, Settings

@@ -9,7 +9,7 @@ from typing import Any
 
 from dispatcher.contract.jobs import ErrorCode
 from dispatcher.contract.metrics import Recorder
-from dispatcher.contract.reaper import Reaped, record_reaped
+from dispatcher.contract.reap import Reaped, record_reaped
 from dispatcher.contract.scripts import ReleaseVerdict
 from worker.broker import Broker, Claimed
 

@@ -17,7 +17,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.metrics import Recorder
-from dispatcher.contract.reaper import Reaped, record_reaped
+from dispatcher.contract.reap import Reaped, record_reaped
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent
 from worker.broker import Broker

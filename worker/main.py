@@ -28,7 +28,7 @@ from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.connect import sync_client
 from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_RECYCLED, EXIT_UNHEALTHY
 from dispatcher.contract.metrics import Recorder
-from dispatcher.contract.reaper import record_reaped
+from dispatcher.contract.reap import record_reaped
 from dispatcher.contract.settings import Settings
 from worker.broker import Broker, Claimed
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback

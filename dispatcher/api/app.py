@@ -20,20 +20,20 @@ from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from dispatcher.api.auth import Authenticator
-from dispatcher.api.catalog import Catalog, TaskTypeInfo
 from dispatcher.api.deps import Services
 from dispatcher.api.errors import install_error_handlers
 from dispatcher.api.openapi import install_openapi
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
-from dispatcher.api.routes import events, generate, observe, openai, pool, results, tasks, usage
+from dispatcher.api.routes import events, generate, observe, openai, queues, results, tasks, usage
 from dispatcher.api.store import TaskStore
+from dispatcher.api.task_types import Catalog, TaskTypeInfo
 from dispatcher.api.waiters import Waiters
 from dispatcher.contract import keys
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.connect import async_client
 from dispatcher.contract.metrics import Recorder
-from dispatcher.contract.reaper import parse_reaped, reap_options, record_reaped
+from dispatcher.contract.reap import parse_reaped, reap_options, record_reaped
 from dispatcher.contract.settings import Settings
 
 __all__ = ["app_from_environment", "create_app"]
@@ -172,7 +172,7 @@ def create_app(settings: Settings, client: Redis | None = None) -> FastAPI:
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    for module in (tasks, results, events, pool, observe, openai, generate, usage):
+    for module in (tasks, results, events, queues, observe, openai, generate, usage):
         app.include_router(module.router)
     app.include_router(generate.stream_router)
     install_openapi(app, settings, lambda: _catalog_types(app))

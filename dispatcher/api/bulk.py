@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dispatcher.api.auth import Principal
-from dispatcher.api.catalog import Catalog
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Record, Submission
 from dispatcher.api.submission import submission_of, task_fields, too_large
+from dispatcher.api.task_types import Catalog
 from dispatcher.contract.jobs import encode_call, json_bytes
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import loads_strict

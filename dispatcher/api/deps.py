@@ -10,10 +10,10 @@ from fastapi import Request, Response
 from redis.asyncio import Redis
 
 from dispatcher.api.auth import Authenticator, Principal
-from dispatcher.api.catalog import Catalog
 from dispatcher.api.pool import Pool
 from dispatcher.api.ratelimit import RateLimiter
 from dispatcher.api.store import TaskStore
+from dispatcher.api.task_types import Catalog
 from dispatcher.api.waiters import Waiters
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings

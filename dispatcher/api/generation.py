@@ -24,11 +24,11 @@ from starlette.types import Receive
 
 from dispatcher.api.admit import admit
 from dispatcher.api.auth import Principal
-from dispatcher.api.catalog import TaskTypeInfo
 from dispatcher.api.deps import Services
 from dispatcher.api.errors import ApiError
 from dispatcher.api.refusals import over_limit
 from dispatcher.api.store import Record, Submission
+from dispatcher.api.task_types import TaskTypeInfo
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract import keys
 from dispatcher.contract.generation import Kind, StreamEntry, estimate_tokens

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from dispatcher.api.catalog import TaskTypeInfo
+from dispatcher.api.task_types import TaskTypeInfo
 from dispatcher.contract.settings import Settings
 
 __all__ = ["install_openapi"]

@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.types import Message, Receive
 
 from dispatcher.api.auth import Principal
-from dispatcher.api.catalog import Catalog, TaskTypeInfo
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Submission
+from dispatcher.api.task_types import Catalog, TaskTypeInfo
 from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import NonFinite, loads_strict, number

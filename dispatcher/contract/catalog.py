@@ -3,7 +3,7 @@
 The dispatcher never imports task code. To know the types a deployment is configured
 to run before any worker starts (a fresh Redis, workers still loading models, a pool
 scaled to zero), the API at start and ``gpulane catalog`` run ``python -m
-worker.catalog <task_modules>`` with CUDA hidden and publish what it prints into
+worker.describe <task_modules>`` with CUDA hidden and publish what it prints into
 ``gpulane:catalog``, exactly as a registering worker does (HSET per type; entries
 persist). Workers still publish their own types when they register.
 """
@@ -25,7 +25,7 @@ class CatalogError(RuntimeError):
 def catalog_command(modules: list[str]) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of the catalog subprocess (CUDA hidden)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return [sys.executable, "-m", "worker.catalog", *modules], env
+    return [sys.executable, "-m", "worker.describe", *modules], env
 
 
 def parse_catalog(returncode: int, stdout: bytes, stderr: bytes) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 A deploy step (or an init container) for pools whose API runs without the task
 modules' dependencies, or with ``catalog_on_start`` off: it runs ``python -m
-worker.catalog`` with CUDA hidden and writes each type into ``gpulane:catalog``, as a
+worker.describe`` with CUDA hidden and writes each type into ``gpulane:catalog``, as a
 registering worker does.
 """
 

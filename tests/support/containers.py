@@ -78,6 +78,9 @@ def build_image() -> None:
     )
     wheels = REPO / ".wheelhouse"
     shutil.rmtree(wheels, ignore_errors=True)
+    # setuptools copies the package into build/lib and never deletes there: a module
+    # renamed or removed since the last build would still go into the wheel.
+    shutil.rmtree(REPO / "build", ignore_errors=True)
     _run(
         _interpreter_for(version),
         "-m",

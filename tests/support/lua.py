@@ -8,7 +8,7 @@ from typing import Any
 
 from dispatcher.api.store import Submission, submit_options
 from dispatcher.contract.jobs import encode_call
-from dispatcher.contract.reaper import lease_options
+from dispatcher.contract.reap import lease_options
 from dispatcher.contract.scripts import SyncScripts, options
 from dispatcher.contract.settings import Settings
 

@@ -28,7 +28,7 @@ from dispatcher.contract.connect import sync_client
 from dispatcher.contract.exits import EXIT_CONFIG, EXIT_UNHEALTHY
 from dispatcher.contract.generation import catalog_entry, type_of_model
 from dispatcher.contract.metrics import Recorder
-from dispatcher.contract.reaper import record_reaped
+from dispatcher.contract.reap import record_reaped
 from dispatcher.contract.settings import Settings
 from worker.backend.client import Backend, BackendDown, BackendError
 from worker.backend.loop import BackendLoop

@@ -1,4 +1,5 @@
-"""Routes, one module per concept: tasks, pool (queues and workers), observe (health,
-metrics, stats and the dashboard)."""
+"""Routes, one module per resource: tasks, results, events (a task's changes), queues
+(queues and workers), observe (health, metrics, stats and the dashboard), openai
+(models, embeddings), generate (completions, streams), usage."""
 
-__all__ = ["observe", "pool", "tasks"]
+__all__ = ["events", "generate", "observe", "openai", "queues", "results", "tasks", "usage"]

@@ -115,7 +115,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
 
 
 async def configured_catalog(modules: list[str], timeout_s: float) -> dict[str, str]:
-    """``{type: entry JSON}`` of ``modules``, from ``python -m worker.catalog``."""
+    """``{type: entry JSON}`` of ``modules``, from ``python -m worker.describe``."""
     argv, env = catalog_command(modules)
     proc = await asyncio.create_subprocess_exec(
         *argv,

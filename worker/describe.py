@@ -1,4 +1,4 @@
-"""``python -m worker.catalog MODULE...``: print the catalog of task modules.
+"""``python -m worker.describe MODULE...``: print the catalog of task modules.
 
 Run by the API at start and by ``gpulane catalog`` (never imported by them: the
 dispatcher loads no task code), so the types a deployment is configured to run are

@@ -1,4 +1,4 @@
-"""Pool routes: ``GET /queues`` (every class the caller may use) and ``GET /workers``
+"""``GET /queues`` (every class the caller may use) and ``GET /workers``
 (live workers; admin keys only when keys are configured)."""
 
 from __future__ import annotations
