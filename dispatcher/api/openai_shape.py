@@ -1,6 +1,7 @@
 """OpenAI's shapes for what every OpenAI-compatible route answers on error: the body
 ``{"error": {"message", "type", "param", "code"}}`` with the status the official SDK
-expects, and the same for the OpenAPI schema."""
+expects, the same for the OpenAPI schema, and a request model's validation error as
+that body (each route's pydantic model serves both its validation and its schema)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,32 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from dispatcher.api.deps import extra_headers
 from dispatcher.api.errors import ApiError
 
-__all__ = ["invalid", "openai_error", "responses"]
+__all__ = ["CHECK", "first_error", "invalid", "openai_error", "responses"]
+
+# The error type of a model's own checks (PydanticCustomError(CHECK, message)): their
+# message is already a sentence for the client.
+CHECK = "gpulane_check"
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, "invalid_request", message, param=param)
+
+
+def first_error(exc: ValidationError) -> ApiError:
+    """A request model's first validation error as OpenAI's 400, ``param`` its field."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    param = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == CHECK:
+        return invalid(err["msg"], param)
+    if err["type"] == "missing":
+        return invalid(f"'{where}' is required.", param)
+    return invalid(f"'{where}': {err['msg']}." if where else f"{err['msg']}.", param)
 
 
 # gpulane error code -> OpenAI's error type.

@@ -111,12 +111,17 @@ def _submit_body(
 
 def _embeddings_body(operation: dict[str, Any], settings: Settings) -> None:
     """``input`` holds no more items than the class ``/v1/embeddings`` submits to ever
-    queues: a longer list is refused (400) however long the client waits."""
+    queues (a longer list is refused, 400, however long the client waits), each of at
+    most ``openai_max_input_chars``."""
     body = operation["requestBody"]["content"]["application/json"]["schema"]
     room = settings.classes[settings.openai_task_class].max_queued
+    longest = {"maxLength": settings.openai_max_input_chars}
     for branch in body["properties"]["input"]["oneOf"]:
         if branch.get("type") == "array":
             branch["maxItems"] = min(branch["maxItems"], room)
+            branch["items"] = {**branch["items"], **longest}
+        else:
+            branch.update(longest)
 
 
 def _secure(schema: dict[str, Any]) -> None:

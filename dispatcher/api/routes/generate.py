@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from dispatcher.api import generation
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
-from dispatcher.api.openai_shape import invalid, openai_error, responses
+from dispatcher.api.openai_shape import first_error, invalid, openai_error, responses
 from dispatcher.api.submission import check_value, limited_body
 from dispatcher.contract.generation import BACKEND_PREFIX, Kind
 from dispatcher.contract.strict_json import loads_strict
@@ -53,13 +53,6 @@ class CompletionRequest(_Request):
     prompt: str | list[str] = Field(examples=["Once upon a time"])
 
 
-def _first_error(exc: ValidationError) -> ApiError:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    param = str(err["loc"][0]) if err["loc"] else None
-    return invalid(f"'{where}': {err['msg']}." if where else f"{err['msg']}.", param)
-
-
 async def _body(request: Request, svc: Services, shape: type[_Request]) -> dict[str, Any]:
     raw = await limited_body(request, svc.settings.generation_max_body_bytes)
     try:
@@ -74,7 +67,7 @@ async def _body(request: Request, svc: Services, shape: type[_Request]) -> dict[
     try:
         shape.model_validate(body)
     except ValidationError as exc:
-        raise _first_error(exc) from None
+        raise first_error(exc) from None
     return body  # as sent: validated, not rewritten
 
 

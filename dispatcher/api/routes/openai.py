@@ -18,11 +18,21 @@ import asyncio
 import base64
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 from redis.exceptions import RedisError
 
 from dispatcher.api import generation
@@ -31,6 +41,7 @@ from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import Packer, fits_ever
 from dispatcher.api.deps import Services, caller, extra_headers, services
 from dispatcher.api.errors import ApiError, store_failure
+from dispatcher.api.openai_shape import CHECK, first_error
 from dispatcher.api.openai_shape import invalid as _invalid
 from dispatcher.api.openai_shape import openai_error as _openai_error
 from dispatcher.api.openai_shape import responses as _errors
@@ -46,8 +57,6 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 MAX_INPUTS = 2048
-_ENCODINGS = ("float", "base64")
-_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 # A failed item's code -> the HTTP status of the whole request: the client's input
 # (400), the pool losing the worker (503, worth a retry), or the model failing on it
 # (502: the upstream, here the worker, failed).
@@ -71,38 +80,47 @@ async def _models(svc: Services, wanted: str | None = None) -> dict[str, str]:
 
 
 MODEL_EXAMPLE = "sentence-transformers/all-MiniLM-L6-v2"
-_TEXT = {"type": "string", "minLength": 1, "maxLength": 8192}
-_EMBEDDINGS_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["model", "input"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "model": {"type": "string", "example": MODEL_EXAMPLE},
-                        "input": {
-                            "oneOf": [
-                                _TEXT,
-                                {
-                                    "type": "array",
-                                    "items": _TEXT,
-                                    "minItems": 1,
-                                    "maxItems": MAX_INPUTS,
-                                },
-                            ]
-                        },
-                        "encoding_format": {"type": "string", "enum": list(_ENCODINGS)},
-                        "dimensions": {"type": "integer"},
-                        "user": {"type": "string"},
-                    },
-                }
-            }
-        },
-    }
+_TEXT = {"type": "string", "minLength": 1}
+_INPUT_SCHEMA = {  # GET /openapi.json narrows maxItems to what the class can queue
+    "oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_INPUTS}]
 }
+
+
+class EmbeddingsRequest(BaseModel):
+    """An embeddings request, as OpenAI's API takes it (token arrays aside)."""
+
+    # The one shape behind both the body's validation and its OpenAPI schema. `input`
+    # is checked against `max_chars` (openai_max_input_chars), the validation context.
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(examples=[MODEL_EXAMPLE], description="A model id from GET /v1/models.")
+    input: Annotated[list[str] | str, WithJsonSchema(_INPUT_SCHEMA)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _texts(cls, value: Any, info: ValidationInfo) -> list[str]:
+        max_chars = int((info.context or {}).get("max_chars", 8192))
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise _check("'input' must be a non-empty string or list of strings.")
+        if len(items) > MAX_INPUTS:
+            raise _check(f"'input' has {len(items)} items; at most {MAX_INPUTS}.")
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise _check(f"'input[{i}]' must be a string (token arrays are not supported).")
+            if not item:
+                raise _check(f"'input[{i}]' is empty.")
+            if len(item) > max_chars:
+                raise _check(f"'input[{i}]' has {len(item)} characters; at most {max_chars}.")
+        return items
+
+
+def _check(message: str) -> PydanticCustomError:
+    return PydanticCustomError(CHECK, message)
 
 
 @router.get(
@@ -126,24 +144,8 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data}, headers=extra_headers(request))
 
 
-def _inputs(body: dict[str, Any], max_chars: int) -> list[str]:
-    raw = body.get("input")
-    items = [raw] if isinstance(raw, str) else raw
-    if not isinstance(items, list) or not items:
-        raise _invalid("'input' must be a non-empty string or list of strings.", "input")
-    if len(items) > MAX_INPUTS:
-        raise _invalid(f"'input' has {len(items)} items; at most {MAX_INPUTS}.", "input")
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            raise _invalid(f"'input[{i}]' must be a string (token arrays are not supported).")
-        if not item:
-            raise _invalid(f"'input[{i}]' is empty.", "input")
-        if len(item) > max_chars:
-            raise _invalid(f"'input[{i}]' has {len(item)} characters; at most {max_chars}.")
-    return items
-
-
-async def _body(request: Request, svc: Services) -> dict[str, Any]:
+async def _body(request: Request, svc: Services) -> tuple[EmbeddingsRequest, dict[str, Any]]:
+    """The request, validated, and its body as sent (what a backend server is given)."""
     raw = await limited_body(request, svc.settings.openai_max_body_bytes)
     try:
         body = loads_strict(raw)
@@ -154,10 +156,11 @@ async def _body(request: Request, svc: Services) -> dict[str, Any]:
         raise _invalid(exc.message) from exc  # OpenAI's 400 invalid_request_error
     if not isinstance(body, dict):
         raise _invalid("The body must be a JSON object.")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise _invalid(f"Unknown fields {unknown[:5]}.")
-    return body
+    context = {"max_chars": svc.settings.openai_max_input_chars}
+    try:
+        return EmbeddingsRequest.model_validate(body, context=context), body
+    except ValidationError as exc:
+        raise first_error(exc) from None
 
 
 async def _submit_all(
@@ -241,7 +244,12 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 @router.post(
     "/embeddings",
     summary="Embeddings (OpenAI shape)",
-    openapi_extra=_EMBEDDINGS_BODY,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": EmbeddingsRequest.model_json_schema()}},
+        }
+    },
     responses=_errors(400, 401, 403, 404, 413, 429, 499, 502, 503, 504),
 )
 async def embeddings(request: Request) -> Response:
@@ -257,13 +265,8 @@ async def embeddings(request: Request) -> Response:
 async def _embeddings(request: Request) -> Response:
     svc = services(request)
     principal = await caller(request)
-    body = await _body(request, svc)
-    fmt = body.get("encoding_format", "float")
-    if fmt not in _ENCODINGS:
-        raise _invalid(f"'encoding_format' must be one of {list(_ENCODINGS)}.")
-    model = body.get("model")
-    if not isinstance(model, str):  # ("" names no model: the 404 below)
-        raise _invalid("'model' is required: a model id from GET /v1/models.", "model")
+    req, body = await _body(request, svc)
+    model = req.model  # ("" names no model: the 404 below)
     models = await _models(svc, model)
     if model not in models:
         name = str(model)[:100]
@@ -276,12 +279,8 @@ async def _embeddings(request: Request) -> Response:
         relayed = await generation.whole(svc, request.receive, gen, principal.task_scope)
         headers = {**extra_headers(request), "Gpulane-Task-Id": gen.task_id}
         return Response(relayed, media_type="application/json", headers=headers)
-    texts = _inputs(body, svc.settings.openai_max_input_chars)
-    dimensions = body.get("dimensions")
-    if dimensions is not None and (
-        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
-    ):
-        raise _invalid("'dimensions' must be a whole number, 1 or more.", "dimensions")
+    texts = req.input if isinstance(req.input, list) else [req.input]
+    dimensions, fmt = req.dimensions, req.encoding_format
     ids = await _submit_all(svc, principal, models[model], texts)
     scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
     work = asyncio.gather(*(svc.waiters.until_final(i, scope, timeout_s) for i in ids))
