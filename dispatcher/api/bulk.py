@@ -22,7 +22,7 @@ from typing import Any
 from dispatcher.api.auth import Principal
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Record, Submission
-from dispatcher.api.submission import submission_of, task_fields, too_large
+from dispatcher.api.submission import submission_of, too_large
 from dispatcher.api.task_types import Catalog
 from dispatcher.contract.jobs import encode_call, json_bytes
 from dispatcher.contract.settings import Settings
@@ -181,7 +181,7 @@ async def _checked(
     value: Any, principal: Principal, settings: Settings, catalog: Catalog
 ) -> tuple[Submission, int]:
     """A task checked as a single submit's body is, and its type's chunk size."""
-    sub = await submission_of(task_fields(value), principal, settings, catalog)
+    sub = await submission_of(value, principal, settings, catalog)
     info = await catalog.lookup(sub.task_type)
     return sub, info.chunk_size(settings) if info else 1
 

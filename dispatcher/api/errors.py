@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
+from pydantic_core import PydanticCustomError
 from redis.exceptions import (
     OutOfMemoryError,
     ReadOnlyError,
@@ -39,10 +40,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dispatcher.contract.connect import ReplicaLag, refused
 
 __all__ = [
+    "CHECK",
     "FULL_RETRY_AFTER_S",
     "STORE_RETRY_AFTER_S",
     "ApiError",
     "ErrorBody",
+    "check",
     "error_body",
     "error_responses",
     "install_error_handlers",
@@ -55,6 +58,14 @@ log = logging.getLogger("gpulane.api")
 STORE_RETRY_AFTER_S = 2
 FULL_RETRY_AFTER_S = 5
 _MAX_TEXT = 300  # characters of any one message: a 422 never echoes a huge client value
+# The error type of a request model's own checks (check()): their message is already
+# the sentence the client gets, where pydantic's own messages get the field's name.
+CHECK = "gpulane_check"
+
+
+def check(message: str) -> PydanticCustomError:
+    """What a request model's validator raises: ``message`` is the answer."""
+    return PydanticCustomError(CHECK, message)
 
 
 class ErrorBody(BaseModel):

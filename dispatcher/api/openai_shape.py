@@ -12,13 +12,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dispatcher.api.deps import extra_headers
-from dispatcher.api.errors import ApiError
+from dispatcher.api.errors import CHECK, ApiError
 
-__all__ = ["CHECK", "first_error", "invalid", "openai_error", "responses"]
-
-# The error type of a model's own checks (PydanticCustomError(CHECK, message)): their
-# message is already a sentence for the client.
-CHECK = "gpulane_check"
+__all__ = ["first_error", "invalid", "openai_error", "responses"]
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from dispatcher.api.task_request import TaskRequest
 from dispatcher.api.task_types import TaskTypeInfo
 from dispatcher.contract.settings import Settings
 
@@ -29,34 +30,19 @@ _PUBLIC = {"/", "/health"}  # no key needed even when keys are configured
 
 
 def _json_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:
+    """The task model's schema, narrowed to ``info``'s type, its args and the limits."""
+    schema = TaskRequest.model_json_schema(by_alias=True)
+    props = schema["properties"]
     args = _args(info)
+    props["type"] = {"const": info.name, "description": info.description}
+    props["class"] = _class(settings)
+    props["args"] = args
+    props["timeout_s"]["anyOf"][0]["maximum"] = settings.max_timeout_s
+    props["gpu_memory_mb"]["anyOf"][0]["maximum"] = settings.max_gpu_memory_mb
+    props["gpu_memory_mb"]["description"] += f" ({info.gpu_memory_mb} MB)."
     # A type whose args have required fields needs `args` (absent means {}).
-    required = ["type", "args"] if args.get("required") else ["type"]
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": required,
-        "properties": {
-            "type": {"const": info.name, "description": info.description},
-            "class": _class(settings),
-            "args": args,
-            "timeout_s": {
-                "anyOf": [
-                    {"type": "number", "exclusiveMinimum": 0, "maximum": settings.max_timeout_s},
-                    {"type": "null"},
-                ],
-                "description": "Seconds; null or absent: the class's default.",
-            },
-            "gpu_memory_mb": {
-                "anyOf": [
-                    {"type": "integer", "minimum": 0, "maximum": settings.max_gpu_memory_mb},
-                    {"type": "null"},
-                ],
-                "description": f"GPU memory the task needs, MB; null or absent: the type's "
-                f"declaration ({info.gpu_memory_mb}).",
-            },
-        },
-    }
+    schema["required"] = ["type", "args"] if args.get("required") else ["type"]
+    return schema
 
 
 def _file_branch(info: TaskTypeInfo, settings: Settings) -> dict[str, Any]:

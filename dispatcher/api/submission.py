@@ -1,17 +1,17 @@
 """Turning a ``POST /tasks`` request into a validated :class:`Submission`.
 
-Two shapes are accepted: a JSON body ``{"type", "class", "args", "timeout_s",
-"gpu_memory_mb"}`` and ``multipart/form-data`` with a ``file`` part plus optional
-``type``, ``class``, ``args`` (a JSON string), ``timeout_s`` and ``gpu_memory_mb``
-parts. Sizes are enforced while reading: a declared ``Content-Length`` over the limit
-is refused before a byte is read, and a body that streams past it is cut off, so an
-oversized upload never sits in memory.
+Two shapes are accepted: a JSON body, a task as
+:class:`~dispatcher.api.task_request.TaskRequest` takes it (``{"type", "class", "args",
+"timeout_s", "gpu_memory_mb"}``), and ``multipart/form-data`` with a ``file`` part plus
+the same fields as optional text parts (``args`` a JSON string), read into JSON values
+and checked by the same model. Sizes are enforced while reading: a declared
+``Content-Length`` over the limit is refused before a byte is read, and a body that
+streams past it is cut off, so an oversized upload never sits in memory.
 Uploads are spooled to disk by the multipart parser past 1 MiB.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -24,6 +24,7 @@ from starlette.types import Message, Receive
 from dispatcher.api.auth import Principal
 from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Submission
+from dispatcher.api.task_request import FIELDS, TaskRequest, task_request
 from dispatcher.api.task_types import Catalog, TaskTypeInfo
 from dispatcher.contract.jobs import FileMeta
 from dispatcher.contract.settings import Settings
@@ -37,13 +38,10 @@ __all__ = [
     "limited_body",
     "parse_submission",
     "submission_of",
-    "task_fields",
     "too_large",
 ]
 
-_FIELDS = {"type", "class", "args", "timeout_s", "gpu_memory_mb"}
 _MAX_DEPTH = 32  # nesting of arrays and objects in a request
-_MAX_NAME = 64
 _MAX_IDEMPOTENCY_KEY = 255
 _MAX_FILENAME = 255
 _WHOLE = re.compile(r"[0-9]{1,12}")
@@ -141,7 +139,7 @@ def json_fields(body: bytes, settings: Settings) -> dict[str, Any]:
         raise ApiError(400, "invalid_request", f"The body is not valid JSON: {exc}.") from exc
     if not isinstance(fields, dict):
         raise ApiError(400, "invalid_request", "The body must be a JSON object.")
-    return task_fields(fields)
+    return fields
 
 
 class _FormParser(MultiPartParser):
@@ -178,12 +176,10 @@ async def _form_fields(
             raise _invalid(f"The form part {name!r} is given twice.")  # which one counts?
         if name == "file" and isinstance(value, UploadFile):
             upload = value
-        elif name in _FIELDS and isinstance(value, str):
+        elif name in FIELDS and isinstance(value, str):
             fields[name] = value
         else:
-            raise _invalid(
-                f"Unexpected form part {name!r}; parts are 'file' and {sorted(_FIELDS)}."
-            )
+            raise _invalid(f"Unexpected form part {name!r}; parts are 'file' and {sorted(FIELDS)}.")
     if "args" in fields:
         try:
             fields["args"] = loads_strict(fields["args"])
@@ -200,46 +196,15 @@ async def _form_fields(
     return fields, upload
 
 
-def _name(fields: dict[str, Any], key: str, default: str | None) -> str:
-    value = fields.get(key)
-    if value is None:  # absent or null: the default
-        value = default
-    if value is None:
-        raise _invalid(f"The '{key}' field is required.")
-    if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
-        raise _invalid(
-            f"The '{key}' field must be a non-empty string of at most {_MAX_NAME} characters."
-        )
-    return value
-
-
-def gpu_memory(fields: dict[str, Any], declared: int, max_mb: int) -> int:
-    """GPU memory the task needs (MB): the request's ``gpu_memory_mb``, else what its
-    type declares; more than any card could have is refused here."""
-    value = fields.get("gpu_memory_mb")
-    if value is None:
-        if declared > max_mb:  # a type declaring more than any card has
-            raise _invalid(f"The type declares {declared} MB of GPU memory; no card has it.")
-        return declared
-    if isinstance(value, float) and value.is_integer():  # 1200.0 is 1200 (JSON Schema too)
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= max_mb:
-        raise _invalid(
-            f"'gpu_memory_mb' must be a whole number of MB from 0 to {max_mb} (max_gpu_memory_mb)."
-        )
-    return value
-
-
-def _timeout(fields: dict[str, Any], default_s: float, max_s: float) -> float:
-    value = fields.get("timeout_s")
-    if value is None:
-        return default_s
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _invalid("'timeout_s' must be a number of seconds.")
-    # An int is compared as it is: math.isfinite() or float() overflow on a huge one.
-    if (isinstance(value, float) and not math.isfinite(value)) or not 0 < value <= max_s:
-        raise _invalid(f"'timeout_s' must be more than 0 and at most {max_s:g}.")
-    return float(value)
+def gpu_memory(asked: int | None, declared: int, max_mb: int) -> int:
+    """GPU memory the task needs (MB): what the request asked (checked against
+    ``max_gpu_memory_mb`` by its model), else what its type declares, which no card
+    may fall short of."""
+    if asked is not None:
+        return asked
+    if declared > max_mb:  # a type declaring more than any card has
+        raise _invalid(f"The type declares {declared} MB of GPU memory; no card has it.")
+    return declared
 
 
 def content_type(request: Request) -> str:
@@ -257,8 +222,8 @@ async def _read(request: Request, settings: Settings) -> tuple[dict[str, Any], U
     )
 
 
-def _class(fields: dict[str, Any], principal: Principal, settings: Settings) -> str:
-    cls = _name(fields, "class", settings.default_class)
+def _class(req: TaskRequest, principal: Principal, settings: Settings) -> str:
+    cls = req.class_ or settings.default_class
     if cls not in settings.classes or not principal.may_use(cls):
         known = [c for c in settings.class_names if principal.may_use(c)]
         raise ApiError(422, "unknown_class", f"Unknown class {cls!r}.", known=known)
@@ -266,9 +231,11 @@ def _class(fields: dict[str, Any], principal: Principal, settings: Settings) -> 
 
 
 async def _task_type(
-    fields: dict[str, Any], upload: UploadFile | None, settings: Settings, catalog: Catalog
+    req: TaskRequest, upload: UploadFile | None, settings: Settings, catalog: Catalog
 ) -> TaskTypeInfo:
-    task_type = _name(fields, "type", settings.default_file_task if upload else None)
+    task_type = req.type or (settings.default_file_task if upload else None)
+    if task_type is None:
+        raise _invalid("The 'type' field is required.")
     info = await catalog.lookup(task_type)
     if info is None:
         raise ApiError(
@@ -277,10 +244,7 @@ async def _task_type(
             f"Unknown task type {task_type!r}.",
             known=await catalog.names(),
         )
-    args = fields.get("args", {})
-    if not isinstance(args, dict):
-        raise _invalid("'args' must be a JSON object.")
-    problems = info.errors(args)
+    problems = info.errors(req.args)
     if problems:
         raise _invalid(f"Invalid arguments for {task_type!r}: {problems[0]}", details=problems)
     if info.file == "required" and upload is None:
@@ -328,42 +292,33 @@ async def parse_submission(
     return await submission_of(fields, principal, settings, catalog, upload, request)
 
 
-def task_fields(value: Any) -> dict[str, Any]:
-    """A task's JSON fields (one of a bulk submit's), checked as ``POST /tasks`` checks
-    its body; :class:`ApiError` otherwise."""
-    if not isinstance(value, dict):
-        raise ApiError(400, "invalid_request", "A task must be a JSON object.")
-    unknown = sorted(set(value) - _FIELDS)
-    if unknown:
-        raise _invalid(f"Unknown fields {unknown}; a task has {sorted(_FIELDS)}.")
-    return value
-
-
 async def submission_of(
-    fields: dict[str, Any],
+    fields: Any,
     principal: Principal,
     settings: Settings,
     catalog: Catalog,
     upload: UploadFile | None = None,
     request: Request | None = None,
 ) -> Submission:
-    """Validate a task's fields (and its upload); the request gives its headers."""
+    """Validate a task's fields (a JSON value: a body, a bulk's task, a form's parts) and
+    its upload; the request gives its headers."""
     check_value(fields)
-    cls = _class(fields, principal, settings)
-    info = await _task_type(fields, upload, settings, catalog)
-    gpu_memory_mb = gpu_memory(fields, info.gpu_memory_mb, settings.max_gpu_memory_mb)
+    req = task_request(fields, settings)
+    cls = _class(req, principal, settings)
+    info = await _task_type(req, upload, settings, catalog)
+    gpu_memory_mb = gpu_memory(req.gpu_memory_mb, info.gpu_memory_mb, settings.max_gpu_memory_mb)
     meta, data = await _upload(upload, settings.max_file_bytes)
     return Submission(
         task_type=info.name,
         cls=cls,
-        args=fields.get("args", {}),
-        timeout_s=_timeout(fields, settings.class_timeout_s(cls), settings.max_timeout_s),
+        args=req.args,
+        timeout_s=req.timeout_s or settings.class_timeout_s(cls),
         tenant=principal.tenant,
         file=meta,
         file_data=data,
         idempotency_key=_idempotency_key(request) if request is not None else None,
         gpu_memory_mb=gpu_memory_mb,
-        gpu_memory_asked=gpu_memory_mb if fields.get("gpu_memory_mb") is not None else None,
+        gpu_memory_asked=req.gpu_memory_mb,
         routed=info.backend,
         **principal.terms(),
     )

@@ -32,7 +32,6 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
 from redis.exceptions import RedisError
 
 from dispatcher.api import generation
@@ -40,8 +39,8 @@ from dispatcher.api.admit import admit
 from dispatcher.api.auth import Principal
 from dispatcher.api.bulk import Packer, fits_ever
 from dispatcher.api.deps import Services, caller, extra_headers, services
-from dispatcher.api.errors import ApiError, store_failure
-from dispatcher.api.openai_shape import CHECK, first_error
+from dispatcher.api.errors import ApiError, check, store_failure
+from dispatcher.api.openai_shape import first_error
 from dispatcher.api.openai_shape import invalid as _invalid
 from dispatcher.api.openai_shape import openai_error as _openai_error
 from dispatcher.api.openai_shape import responses as _errors
@@ -100,27 +99,33 @@ class EmbeddingsRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
 
+    @field_validator("dimensions", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        # JSON Schema's integer includes 200.0; a bool is no number here.
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool):
+            raise check("'dimensions' must be a whole number, 1 or more.")
+        return value
+
     @field_validator("input", mode="before")
     @classmethod
     def _texts(cls, value: Any, info: ValidationInfo) -> list[str]:
         max_chars = int((info.context or {}).get("max_chars", 8192))
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not items:
-            raise _check("'input' must be a non-empty string or list of strings.")
+            raise check("'input' must be a non-empty string or list of strings.")
         if len(items) > MAX_INPUTS:
-            raise _check(f"'input' has {len(items)} items; at most {MAX_INPUTS}.")
+            raise check(f"'input' has {len(items)} items; at most {MAX_INPUTS}.")
         for i, item in enumerate(items):
             if not isinstance(item, str):
-                raise _check(f"'input[{i}]' must be a string (token arrays are not supported).")
+                raise check(f"'input[{i}]' must be a string (token arrays are not supported).")
             if not item:
-                raise _check(f"'input[{i}]' is empty.")
+                raise check(f"'input[{i}]' is empty.")
             if len(item) > max_chars:
-                raise _check(f"'input[{i}]' has {len(item)} characters; at most {max_chars}.")
+                raise check(f"'input[{i}]' has {len(item)} characters; at most {max_chars}.")
         return items
-
-
-def _check(message: str) -> PydanticCustomError:
-    return PydanticCustomError(CHECK, message)
 
 
 @router.get(
@@ -175,7 +180,7 @@ async def _submit_all(
     timeout_s = svc.settings.class_timeout_s(cls)
     info = await svc.catalog.lookup(task_type)
     # A type declaring more GPU memory than any card has is a 422, as for POST /tasks.
-    gpu_mb = gpu_memory({}, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
+    gpu_mb = gpu_memory(None, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
     chunk = info.chunk_size(svc.settings) if info else 1
     packer = Packer()
     for text in texts:

@@ -24,6 +24,7 @@ from dispatcher.api.pool import ClassState
 from dispatcher.api.refusals import backpressure as _backpressure
 from dispatcher.api.store import SubmitResult, record_of
 from dispatcher.api.submission import content_type, json_body, parse_submission
+from dispatcher.api.task_request import json_schema, upload_schema
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.jobs import FINAL, chunk_item
 
@@ -37,37 +38,14 @@ _DELTA_SECONDS = re.compile(r"[0-9]{1,64}")  # any size: clamped to wait_max_s
 _WAIT_PATTERN = r"^[0-9]{1,9}(\.[0-9]{1,6})?$"
 _WAIT_FORM = re.compile(_WAIT_PATTERN)
 
+# The task model's schemas (dispatcher/api/task_request.py); GET /openapi.json narrows
+# them per task type of the catalog (dispatcher/api/openapi.py).
 _SUBMIT_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["type"],
-                    "properties": {
-                        "type": {"type": "string", "example": "sleep"},
-                        "class": {"type": "string", "default": "batch"},
-                        "args": {"type": "object", "default": {}},
-                        "timeout_s": {"type": "number"},
-                        "gpu_memory_mb": {"type": "integer", "minimum": 0},
-                    },
-                }
-            },
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file"],
-                    "properties": {
-                        "file": {"type": "string", "format": "binary"},
-                        "type": {"type": "string", "default": "document.extract"},
-                        "class": {"type": "string"},
-                        "args": {"type": "string", "description": "JSON object"},
-                        "timeout_s": {"type": "string"},
-                        "gpu_memory_mb": {"type": "string"},
-                    },
-                }
-            },
+            "application/json": {"schema": json_schema()},
+            "multipart/form-data": {"schema": upload_schema()},
         },
     }
 }
