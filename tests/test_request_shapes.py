@@ -78,4 +78,8 @@ def test_a_bad_embeddings_request_is_openais_400(
     error = first_error(raised.value)
     assert error.status == 400 and error.extra["param"] == param
     assert words in error.message, error.message
-    assert EmbeddingsRequest.model_validate({"model": "m", "input": "x", "dimensions": 8.0})
+
+
+def test_embeddings_take_what_json_schema_calls_valid() -> None:
+    req = EmbeddingsRequest.model_validate({"model": "m", "input": "x", "dimensions": 8.0})
+    assert req.dimensions == 8 and req.input == ["x"] and req.encoding_format == "float"
