@@ -55,8 +55,9 @@ def _answer(
     items: int = 1,
     serving: int | None = None,
 ) -> tuple[str, str, int]:
-    """submit.lua's verdict, pressure and Retry-After for a request of ``items`` items
-    behind ``queued`` queued tasks (``serving`` workers, ``workers`` of them fitting)."""
+    """submit.lua's verdict and what it decided with it for a request of ``items`` items
+    behind ``queued`` queued tasks (``serving`` workers, ``workers`` of them fitting):
+    accepted, the pressure and 0; refused, the limit reached and the Retry-After."""
     settings = Settings(redis_url="redis://unused", classes={"batch": cfg, "interactive": cfg})
     if queued:
         r.rpush(keys.queue("batch"), *[f"filler-{i}" for i in range(queued)])
@@ -67,18 +68,18 @@ def _answer(
     verdict = reply[0].decode()
     if verdict == "accepted":
         return verdict, reply[5].decode(), 0
-    return verdict, "full", int(reply[5])
+    return verdict, reply[4].decode(), int(reply[5])
 
 
 def test_retry_after_by_wait_limit(r: redis.Redis) -> None:
     # 2 workers, 1 s per task: 129 ahead wait (129 / 2 + 1 / 2) s = 65 s, 5 s over 60.
     cfg = ClassConfig(max_queued=1000, max_wait_s=60)
-    assert _answer(r, cfg, run_s=1.0, workers=2, queued=129) == ("queue_full", "full", 5)
+    assert _answer(r, cfg, run_s=1.0, workers=2, queued=129) == ("queue_full", "wait", 5)
 
 
 def test_retry_after_by_depth_limit(r: redis.Redis) -> None:
     # max_queued 100: at 100 queued one more is 1 too many, gone in 0.25 s: 1 s (never 0).
-    assert _answer(r, CFG, run_s=0.25, workers=1, queued=100) == ("queue_full", "full", 1)
+    assert _answer(r, CFG, run_s=0.25, workers=1, queued=100) == ("queue_full", "depth", 1)
 
 
 def test_retry_after_by_depth_counts_the_whole_request(r: redis.Redis) -> None:
@@ -93,7 +94,7 @@ def test_retry_after_a_request_of_many_items_waits_for_room_for_all(r: redis.Red
 
 def test_retry_after_without_a_fitting_worker(r: redis.Redis) -> None:
     # Workers serve the class, none fits: about one lease, whatever the queue.
-    assert _answer(r, CFG, run_s=1.0, workers=0, serving=2) == ("no_workers", "full", 5)
+    assert _answer(r, CFG, run_s=1.0, workers=0, serving=2) == ("no_workers", "", 5)
 
 
 def test_retry_after_a_wait_refusal_comes_from_the_estimate_that_refused_it(
@@ -101,7 +102,7 @@ def test_retry_after_a_wait_refusal_comes_from_the_estimate_that_refused_it(
 ) -> None:
     cfg = ClassConfig(max_wait_s=10)
     # 11 ahead at 1 s on 1 worker: the estimate is 12 s, 2 s too long.
-    assert _answer(r, cfg, run_s=1.0, workers=1, queued=11) == ("queue_full", "full", 2)
+    assert _answer(r, cfg, run_s=1.0, workers=1, queued=11) == ("queue_full", "wait", 2)
     # At most an hour, however deep.
     assert _answer(r, ClassConfig(max_queued=10**6, max_wait_s=10), run_s=100.0, workers=1,
                    queued=500)[2] == 3600  # fmt: skip

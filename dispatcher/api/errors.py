@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 from redis.exceptions import (
     OutOfMemoryError,
@@ -48,6 +48,7 @@ __all__ = [
     "check",
     "error_body",
     "error_responses",
+    "first_problem",
     "install_error_handlers",
     "store_error",
     "store_failure",
@@ -66,6 +67,19 @@ CHECK = "gpulane_check"
 def check(message: str) -> PydanticCustomError:
     """What a request model's validator raises: ``message`` is the answer."""
     return PydanticCustomError(CHECK, message)
+
+
+def first_problem(exc: ValidationError) -> tuple[str, str | None]:
+    """A request model's first validation error as a sentence, and the field it is on
+    (every route with a request model answers with it, in its own error shape)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    field = str(err["loc"][0]) if err["loc"] else None
+    if err["type"] == CHECK:
+        return err["msg"], field
+    if err["type"] == "missing":
+        return f"'{where}' is required.", field
+    return (f"'{where}': {err['msg']}." if where else f"{err['msg']}."), field
 
 
 class ErrorBody(BaseModel):

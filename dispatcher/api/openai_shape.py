@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dispatcher.api.deps import extra_headers
-from dispatcher.api.errors import CHECK, ApiError
+from dispatcher.api.errors import ApiError, first_problem
 
 __all__ = ["first_error", "invalid", "openai_error", "responses"]
 
@@ -23,14 +23,8 @@ def invalid(message: str, param: str | None = None) -> ApiError:
 
 def first_error(exc: ValidationError) -> ApiError:
     """A request model's first validation error as OpenAI's 400, ``param`` its field."""
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    param = str(err["loc"][0]) if err["loc"] else None
-    if err["type"] == CHECK:
-        return invalid(err["msg"], param)
-    if err["type"] == "missing":
-        return invalid(f"'{where}' is required.", param)
-    return invalid(f"'{where}': {err['msg']}." if where else f"{err['msg']}.", param)
+    message, param = first_problem(exc)
+    return invalid(message, param)
 
 
 # gpulane error code -> OpenAI's error type.

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from dispatcher.api.errors import CHECK, ApiError, check
+from dispatcher.api.errors import ApiError, check, first_problem
 from dispatcher.contract.settings import Settings
 
 __all__ = ["FIELDS", "TaskRequest", "json_schema", "task_request", "upload_schema"]
@@ -126,6 +126,4 @@ def task_request(value: Any, settings: Settings) -> TaskRequest:
     try:
         return TaskRequest.model_validate(value, context=context)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        message = err["msg"] if err["type"] == CHECK else f"{err['loc']}: {err['msg']}."
-        raise ApiError(422, "invalid_request", message) from None
+        raise ApiError(422, "invalid_request", first_problem(exc)[0]) from None
