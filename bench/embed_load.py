@@ -37,7 +37,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
 from bench.report import Table, pct
 
@@ -114,21 +115,33 @@ def _cycle(texts: list[str], start: int, n: int) -> list[str]:
     return [texts[(start + i) % len(texts)] for i in range(n)]
 
 
-async def _post(client: httpx.AsyncClient, model: str, inputs: list[str]) -> float:
-    """One request; its latency in ms. A wrong status or count raises."""
+async def _post(client: aiohttp.ClientSession, model: str, inputs: list[str]) -> float:
+    """One request; its latency in ms (the whole body read). A wrong status or count
+    raises."""
     started = time.perf_counter()
-    reply = await client.post("/embeddings", json={"model": model, "input": inputs})
+    body = orjson.dumps({"model": model, "input": inputs})
+    async with client.post("embeddings", data=body, headers=_JSON) as reply:
+        raw = await reply.read()
     elapsed = (time.perf_counter() - started) * 1000
-    reply.raise_for_status()
-    data = reply.json()["data"]
+    if reply.status != 200:
+        raise RuntimeError(f"HTTP {reply.status}: {raw[:300]!r}")
+    data = orjson.loads(raw)["data"]
     if len(data) != len(inputs):
         raise RuntimeError(f"{len(inputs)} inputs sent, {len(data)} embeddings back")
     return elapsed
 
 
-def _client(base_url: str, timeout_s: float, clients: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    return httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
+_JSON = {"content-type": "application/json"}
+
+
+def _client(base_url: str, timeout_s: float, clients: int) -> aiohttp.ClientSession:
+    """A keep-alive pool of ``clients`` connections. aiohttp, not httpx: the load runs
+    on the machine it measures, and the load generator's CPU is taken from the system
+    under test: measured on 32 one-input requests, httpx spent 2.0 ms of CPU per input
+    and aiohttp 0.2 ms."""
+    connector = aiohttp.TCPConnector(limit=clients, limit_per_host=clients)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    return aiohttp.ClientSession(base_url.rstrip("/") + "/", connector=connector, timeout=timeout)
 
 
 async def one_call(base_url: str, model: str, texts: list[str], n: int, max_s: float) -> Row:
@@ -155,7 +168,7 @@ async def closed_loop(
     issued = 0
     deadline = time.monotonic() + max_s
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: aiohttp.ClientSession) -> None:
         nonlocal issued
         while issued < requests and time.monotonic() < deadline:
             start = issued * per_request
