@@ -218,6 +218,18 @@ class Stack:
 
         wait_for(ready, 30, f"worker {proc.name} to register")
 
+    def wait_idle(self, proc: Proc, timeout_s: float = 30) -> None:
+        """Until worker ``proc`` is parked, ready for work: past registering, its task
+        modules loaded (a model, a backend's server answering)."""
+        client = self.client()
+
+        def idle() -> bool:
+            if not proc.alive():
+                raise RuntimeError(f"worker {proc.name} exited:\n{proc.tail()}")
+            return client.hget(keys.worker(proc.name), "state") == b"idle"
+
+        wait_for(idle, timeout_s, f"worker {proc.name} to be idle", interval_s=0.1)
+
     def rq_worker(self, name: str, queue: str, wait: bool = True) -> Proc:
         """Plain RQ: ``rq worker -w rq.worker.SimpleWorker -S JSONSerializer`` on ``queue``."""
         argv = [sys.executable, "-m", "rq.cli", "worker", "--url", self.url, "--name", name]
