@@ -72,7 +72,7 @@ class Target:
         return {True: "met", False: "**missed**", None: "-"}[self.met]
 
 
-_BOUND = re.compile(r"(<=|>=) ([\d,.]+)(.*)")  # "<= 5 ms", ">= 1,500/s", ">= 0.95x"
+_BOUND = re.compile(r"(<=|>=) \+?([\d,.]+)(.*)")  # "<= 5 ms", ">= 1,500/s", "<= +50 MB"
 _WITHIN = re.compile(r"([\d.]+)( : 1)? \+- ([\d.]+) %")  # "1 +- 2 %", "3 : 1 +- 10 %"
 _COMPARE = {"<=": operator.le, ">=": operator.ge}
 
