@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -208,15 +209,33 @@ class Stack:
             argv += ["--classes", ",".join(serve)]
         return argv
 
-    def wait_registered(self, proc: Proc) -> None:
+    def _wait_worker(
+        self, proc: Proc, ready: Callable[[redis.Redis], bool], what: str, timeout_s: float = 30
+    ) -> None:
+        """Until ``ready(client)``; a worker that exits meanwhile fails the run with its log."""
         client = self.client()
 
-        def ready() -> bool:
+        def check() -> bool:
             if not proc.alive():
                 raise RuntimeError(f"worker {proc.name} exited:\n{proc.tail()}")
-            return client.zscore(keys.WORKERS, proc.name) is not None
+            return ready(client)
 
-        wait_for(ready, 30, f"worker {proc.name} to register")
+        wait_for(check, timeout_s, f"worker {proc.name} {what}")
+
+    def wait_registered(self, proc: Proc) -> None:
+        self._wait_worker(
+            proc, lambda c: c.zscore(keys.WORKERS, proc.name) is not None, "to register"
+        )
+
+    def wait_idle(self, proc: Proc, timeout_s: float = 30) -> None:
+        """Until worker ``proc`` is parked, ready for work: past registering, its task
+        modules loaded (a model, a backend's server answering)."""
+        self._wait_worker(
+            proc,
+            lambda c: c.hget(keys.worker(proc.name), "state") == b"idle",
+            "to be idle",
+            timeout_s,
+        )
 
     def rq_worker(self, name: str, queue: str, wait: bool = True) -> Proc:
         """Plain RQ: ``rq worker -w rq.worker.SimpleWorker -S JSONSerializer`` on ``queue``."""
@@ -228,14 +247,9 @@ class Stack:
         return proc
 
     def wait_rq(self, proc: Proc) -> None:
-        client = self.client()
-
-        def ready() -> bool:
-            if not proc.alive():
-                raise RuntimeError(f"rq worker {proc.name} exited:\n{proc.tail()}")
-            return bool(client.exists(f"rq:worker:{proc.name}"))
-
-        wait_for(ready, 30, f"rq worker {proc.name}")
+        self._wait_worker(
+            proc, lambda c: bool(c.exists(f"rq:worker:{proc.name}")), "(RQ) to register"
+        )
 
     def gpulane_api(self, classes: list[str], **settings: Any) -> tuple[Proc, str]:
         """``gpulane api`` (uvicorn, one process) on a free port; returns (proc, base URL)."""

@@ -9,8 +9,10 @@ and the date, because absolute numbers only mean something next to those.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -41,14 +43,15 @@ def fmt(value: Any, digits: int = 2) -> str:
 @dataclass
 class Table:
     title: str
-    columns: list[str]
+    columns: list[str] | str  # a str is the header as markdown writes it: "a | b | c"
     rows: list[list[Any]]
     note: str = ""
 
     def markdown(self) -> str:
+        columns = self.columns.split(" | ") if isinstance(self.columns, str) else self.columns
         lines = [f"### {self.title}", ""]
-        lines.append("| " + " | ".join(self.columns) + " |")
-        lines.append("|" + "---|" * len(self.columns))
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
         for row in self.rows:
             lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
         if self.note:
@@ -67,6 +70,43 @@ class Target:
     @property
     def verdict(self) -> str:
         return {True: "met", False: "**missed**", None: "-"}[self.met]
+
+
+_BOUND = re.compile(r"(<=|>=) \+?([\d,.]+)(.*)")  # "<= 5 ms", ">= 1,500/s", "<= +50 MB"
+_WITHIN = re.compile(r"([\d.]+)( : 1)? \+- ([\d.]+) %")  # "1 +- 2 %", "3 : 1 +- 10 %"
+_COMPARE = {"<=": operator.le, ">=": operator.ge}
+
+
+def judged(
+    what: str,
+    baseline: str,
+    value: float,
+    goal: str,
+    shown: str | None = None,
+    digits: int = 2,
+    also: bool = True,
+) -> Target:
+    """A target whose verdict is ``value`` against the bound ``goal`` names, so the two
+    cannot disagree: ``"<= 5 ms"``, ``">= 0.95x"`` (the first number after the
+    comparison is the bound; text after it is the unit ``value`` is shown in unless
+    ``shown`` says otherwise), or ``"3 : 1 +- 10 %"`` (within 10 % of 3). ``also``: a
+    further condition the verdict needs (the result was whole, ...)."""
+    if bound := _BOUND.fullmatch(goal):
+        op, limit, unit = bound.groups()
+        met = _COMPARE[op](value, float(limit.replace(",", "")))
+        shown = shown if shown is not None else f"{value:,.{digits}f}{unit}"
+    elif within := _WITHIN.fullmatch(goal):
+        centre, share = float(within.group(1)), float(within.group(3)) / 100
+        met = abs(value - centre) <= centre * share
+        shown = shown if shown is not None else f"{value:.{digits}f}{within.group(2) or ''}"
+    else:
+        raise ValueError(f"a goal judged() cannot read: {goal!r}")
+    return Target(what, baseline, goal, shown, met and also)
+
+
+def info(what: str, baseline: str, measured: str, goal: str = "-") -> Target:
+    """A row of the targets table with no verdict: a reference or a comparison."""
+    return Target(what, baseline, goal, measured, None)
 
 
 @dataclass
@@ -198,15 +238,41 @@ def save(fig: Any, outdir: Path, name: str) -> str:
     return name
 
 
+def axes(
+    ax: Any,
+    title: str | None = None,
+    x: str | None = None,
+    y: str | None = None,
+    legend: float | None = None,
+    xscale: str | None = None,
+) -> None:
+    """Title, axis labels, a legend (at this font size) and the x scale, where given."""
+    if title is not None:
+        ax.set_title(title)
+    if x is not None:
+        ax.set_xlabel(x)
+    if y is not None:
+        ax.set_ylabel(y)
+    if xscale == "symlog":  # waits of 0 ms: linear near zero, log beyond 10
+        ax.set_xscale("symlog", linthresh=10)
+    elif xscale is not None:
+        ax.set_xscale(xscale)
+    if legend is not None:
+        ax.legend(fontsize=legend)
+
+
+def cdf(ax: Any, values: Sequence[float], *style: str, **line: Any) -> None:
+    """One empirical CDF line: each value against the fraction at or below it."""
+    ordered = sorted(values)
+    ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], *style, **line)
+
+
 def latency_cdf(ax: Any, latencies: Mapping[str, Sequence[float]]) -> None:
     """One CDF line per label on a log latency axis: where policies part shows in the
     tail, which a linear axis squeezes into its last pixels."""
     for label, latency in latencies.items():
-        values = sorted(latency)
-        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("end-to-end latency (s), log scale")
-    ax.set_ylabel("fraction of tasks")
+        cdf(ax, latency, label=label)
+    axes(ax, x="end-to-end latency (s), log scale", y="fraction of tasks", xscale="log")
 
 
 def grouped_bars(ax: Any, series: Mapping[str, Sequence[float]], ticks: Sequence[str]) -> None:
@@ -216,3 +282,7 @@ def grouped_bars(ax: Any, series: Mapping[str, Sequence[float]], ticks: Sequence
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(ticks))]
         ax.bar(xs, values, width=width, label=label)
     ax.set_xticks(range(len(ticks)), ticks)
+
+
+def p50_p99(values: Sequence[float]) -> tuple[float, float]:
+    return pct(list(values), 50), pct(list(values), 99)

@@ -29,7 +29,7 @@ import redis
 
 from bench import cmdstats
 from bench.harness import Stack
-from bench.report import Report, Table, Target, figure, save
+from bench.report import Report, Table, Target, axes, figure, judged, save
 from dispatcher.contract import keys
 from testkit import wait_for
 
@@ -167,16 +167,9 @@ def run(size: str, outdir: Path) -> Report:
     data = measure(SIZES[size])
     report = Report("batched", size)
     noop, vector = data["batch_noop"], data["batch_vector"]
+    cells = ("items", "chunks", "seconds", "items_per_s", "commands_per_item", "failed")
     rows = [
-        [
-            name,
-            d["items"],
-            d["chunks"],
-            d["seconds"],
-            d["items_per_s"],
-            d["commands_per_item"],
-            d["failed"],
-        ]
+        [name, *(d[k] for k in cells)]
         for name, d in (
             ("bench.batch_noop", noop),
             ("bench.batch_vector (384 floats)", vector),
@@ -186,7 +179,7 @@ def run(size: str, outdir: Path) -> Report:
     report.tables.append(
         Table(
             "One worker drains a filled queue (bulk-submitted, chunks of 64)",
-            ["type", "items", "chunks", "s", "items/s", "Redis commands per item", "failed chunks"],
+            "type | items | chunks | s | items/s | Redis commands per item | failed chunks",
             rows,
         )
     )
@@ -198,19 +191,19 @@ def run(size: str, outdir: Path) -> Report:
     report.tables.append(
         Table(
             "One bulk POST /tasks, one API process",
-            ["type", "tasks", "s (median)", "tasks/s"],
+            "type | tasks | s (median) | tasks/s",
             bulk,
         )
     )
     report.targets += [
-        Target("batched no-op, one worker",
+        judged("batched no-op, one worker",
                f"3,643 items/s (issue); batching off this run: "
-               f"{data['batch_off']['items_per_s']:,.0f}/s", ">= 20,000 items/s",
-               f"{noop['items_per_s']:,.0f} items/s", noop["items_per_s"] >= 20_000),
-        Target("batched, 384-float result, one worker", "1,864 items/s", ">= 10,000 items/s",
-               f"{vector['items_per_s']:,.0f} items/s", vector["items_per_s"] >= 10_000),
-        Target("Redis commands per batched item (batch 64)", "13.2", "<= 3",
-               f"{noop['commands_per_item']:.2f}", noop["commands_per_item"] <= 3),
+               f"{data['batch_off']['items_per_s']:,.0f}/s", noop["items_per_s"],
+               ">= 20,000 items/s", digits=0),
+        judged("batched, 384-float result, one worker", "1,864 items/s", vector["items_per_s"],
+               ">= 10,000 items/s", digits=0),
+        judged("Redis commands per batched item (batch 64)", "13.2", noop["commands_per_item"],
+               "<= 3"),
         Target("bulk submit, one API process, one request of 10,000 tasks", "-",
                ">= 20,000 tasks/s",
                f"{data['bulk_unbatched']['tasks_per_s']:,.0f} tasks/s (unbatched), "
@@ -240,5 +233,4 @@ def _bars(ax: Any, names: list[str], values: list[float], unit: str, title: str)
     """Two measured bars against the 20,000/s target line."""
     ax.bar(names, values, color=["tab:blue", "tab:orange"])
     ax.axhline(20_000, color="grey", linestyle="--", linewidth=1)
-    ax.set_ylabel(unit)
-    ax.set_title(title)
+    axes(ax, title, y=unit)

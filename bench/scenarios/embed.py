@@ -33,7 +33,7 @@ import redis
 
 from bench.glside import Submitter, gl_done, records
 from bench.harness import Stack, bench_device
-from bench.report import Report, Table, Target, figure, pct, save
+from bench.report import Report, Table, axes, figure, grouped_bars, judged, p50_p99, save
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.scripts import source
@@ -100,14 +100,7 @@ def _fill(submitter: Submitter, corpus: list[str]) -> list[str]:
 
 def _start(stack: Stack, name: str, types: dict[str, Any]) -> None:
     proc = stack.gpulane_worker(name, tasks=TASKS, types=json.dumps(types))
-    client = stack.client()
-
-    def loaded() -> bool:
-        if not proc.alive():
-            raise RuntimeError(f"worker {name} exited:\n{proc.tail()}")
-        return client.hget(keys.worker(name), "state") == b"idle"
-
-    wait_for(loaded, 180, f"worker {name} to load the model", interval_s=0.1)
+    stack.wait_idle(proc, 180)  # the model loaded
 
 
 def _batch_stats(client: redis.Redis) -> tuple[float, float]:
@@ -156,7 +149,8 @@ def _loaded(
         due += rng.expovariate(rate)
     wait_for(lambda: gl_done(client, ids), 600, "the loaded phase to drain", interval_s=0.05)
     lat = [r["ended_ms"] - r["created_ms"] for r in records(client, ids)]
-    return {"tasks": len(ids), "p50": pct(lat, 50), "p99": pct(lat, 99), "max": max(lat)}
+    p50, p99 = p50_p99(lat)
+    return {"tasks": len(ids), "p50": p50, "p99": p99, "max": max(lat)}
 
 
 def measure(size: Size) -> dict[str, Any]:
@@ -181,61 +175,34 @@ def measure(size: Size) -> dict[str, Any]:
 def run(size: str, outdir: Path) -> Report:
     data = measure(SIZES[size])
     off, on, limit = data["batching off"], data["batching on"], data["limit"]
+    configs = {"batching off": off, "batching on": on}
     report = Report("embed", size)
+    in_process = ["in-process model.encode, batches of 64 (limit)", limit, BATCH, 1.0]
     report.tables.append(
         Table(
             "Embedding throughput, one CPU worker, saturated queue",
-            ["configuration", "texts/s", "mean batch", "x limit", "x batching off"],
-            [
-                [
-                    "in-process model.encode, batches of 64 (limit)",
-                    limit,
-                    BATCH,
-                    1.0,
-                    limit / off["rate"],
-                ],
-                *[
-                    [name, d["rate"], d["mean_batch"], d["rate"] / limit, d["rate"] / off["rate"]]
-                    for name, d in (("batching off", off), ("batching on", on))
-                ],
-            ],
+            "configuration | texts/s | mean batch | x limit | x batching off",
+            [[*in_process, limit / off["rate"]]]
+            + [[n, d["rate"], d["mean_batch"], d["rate"] / limit, d["rate"] / off["rate"]]
+               for n, d in configs.items()],
         )
-    )
+    )  # fmt: skip
     report.tables.append(
         Table(
             f"Latency at 50 % load ({off['load_rate']:.1f} tasks/s, Poisson), submit to end",
-            ["configuration", "tasks", "p50 ms", "p99 ms", "max ms"],
-            [
-                [n, d["tasks"], d["p50"], d["p99"], d["max"]]
-                for n, d in (("batching off", off), ("batching on", on))
-            ],
+            "configuration | tasks | p50 ms | p99 ms | max ms",
+            [[n, *(d[k] for k in ("tasks", "p50", "p99", "max"))] for n, d in configs.items()],
         )
     )
-    ratio_limit, ratio_off = on["rate"] / limit, on["rate"] / off["rate"]
-    p99_ratio = on["p99"] / off["p99"]
+    ratio_limit, p99_ratio = on["rate"] / limit, on["p99"] / off["p99"]
     report.targets += [
-        Target(
-            "embed throughput, batching on vs in-process encode",
-            f"{limit:.0f}/s",
-            ">= 0.85x",
-            f"{on['rate']:.0f}/s = {ratio_limit:.2f}x",
-            ratio_limit >= 0.85,
-        ),
-        Target(
-            "embed throughput, batching on vs off",
-            f"{off['rate']:.0f}/s",
-            ">= 3x",
-            f"{ratio_off:.2f}x",
-            ratio_off >= 3,
-        ),
-        Target(
-            "embed p99 at 50 % load, batching on vs off",
-            f"{off['p99']:.0f} ms",
-            "<= 2x",
-            f"{on['p99']:.0f} ms = {p99_ratio:.2f}x",
-            p99_ratio <= 2,
-        ),
-    ]
+        judged("embed throughput, batching on vs in-process encode", f"{limit:.0f}/s", ratio_limit,
+               ">= 0.85x", f"{on['rate']:.0f}/s = {ratio_limit:.2f}x"),
+        judged("embed throughput, batching on vs off", f"{off['rate']:.0f}/s",
+               on["rate"] / off["rate"], ">= 3x"),
+        judged("embed p99 at 50 % load, batching on vs off", f"{off['p99']:.0f} ms", p99_ratio,
+               "<= 2x", f"{on['p99']:.0f} ms = {p99_ratio:.2f}x"),
+    ]  # fmt: skip
     report.notes.append(f"Device: {bench_device()} (`BENCH_GPU` sets the workers' `--gpu`).")
     report.notes.append(
         "In-process limit before / after the workers ran: "
@@ -252,15 +219,8 @@ def _chart(data: dict[str, Any], outdir: Path) -> str:
     names = ["limit", "batching off", "batching on"]
     rates = [data["limit"], data["batching off"]["rate"], data["batching on"]["rate"]]
     left.bar(names, rates, color=["grey", "tab:orange", "tab:blue"])
-    left.set_ylabel("texts/s")
-    left.set_title("Saturated throughput, one worker")
+    axes(left, "Saturated throughput, one worker", y="texts/s")
     configs = ["batching off", "batching on"]
-    for i, key in enumerate(("p50", "p99")):
-        right.bar(
-            [x + 0.4 * i for x in range(2)], [data[c][key] for c in configs], width=0.4, label=key
-        )
-    right.set_xticks([0.2, 1.2], configs)
-    right.set_ylabel("ms")
-    right.set_title("Latency at 50 % load")
-    right.legend(fontsize=8)
+    grouped_bars(right, {key: [data[c][key] for c in configs] for key in ("p50", "p99")}, configs)
+    axes(right, "Latency at 50 % load", y="ms", legend=8)
     return save(fig, outdir, "embed.png")

@@ -32,9 +32,7 @@ from typing import Any
 from bench import embed_load, peers
 from bench.embed_load import Row
 from bench.harness import Stack, bench_device
-from bench.report import Report, Target, figure, save
-from dispatcher.contract import keys
-from testkit import wait_for
+from bench.report import Report, Target, axes, figure, grouped_bars, save
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TASKS = "worker.tasks.builtin,worker.tasks.embed"
@@ -66,15 +64,7 @@ class Served:
 def gpulane() -> Iterator[Served]:
     with Stack() as stack:
         _, url = stack.gpulane_api(["interactive", "batch"], **API)
-        proc = stack.gpulane_worker("embedder", tasks=TASKS)
-        client = stack.client()
-
-        def loaded() -> bool:
-            if not proc.alive():
-                raise RuntimeError(f"embed worker exited:\n{proc.tail()}")
-            return client.hget(keys.worker("embedder"), "state") == b"idle"
-
-        wait_for(loaded, 180, "the embed worker to load the model", interval_s=0.1)
+        stack.wait_idle(stack.gpulane_worker("embedder", tasks=TASKS), 180)  # the model loaded
         yield Served("gpulane", f"{url}/v1", MODEL)
 
 
@@ -164,14 +154,8 @@ def _chart(data: dict[str, Any], outdir: Path) -> str:
     """Inputs/s per row and system, the in-process limit as a line (the first corpus)."""
     corpus, got = next(iter(data["corpora"].items()))
     fig, ax = figure(8.0, 3.4)
-    names = list(got["rows"])
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        values = [got["rows"][name][k].inputs_per_s for k in "abc"]
-        ax.bar([x + i * width for x in range(3)], values, width=width, label=name)
+    bars = {name: [rows[k].inputs_per_s for k in "abc"] for name, rows in got["rows"].items()}
+    grouped_bars(ax, bars, ["1 x 2,048", "32 x 1", "8 x 256"])
     ax.axhline(got["limit"], color="grey", linestyle="--", linewidth=1, label="in-process")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(3)], ["1 x 2,048", "32 x 1", "8 x 256"])
-    ax.set_ylabel("inputs/s")
-    ax.set_title(f"/v1/embeddings, {corpus} texts")
-    ax.legend(fontsize=8)
+    axes(ax, f"/v1/embeddings, {corpus} texts", y="inputs/s", legend=8)
     return save(fig, outdir, "embed_api.png")

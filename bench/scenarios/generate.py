@@ -33,17 +33,7 @@ import httpx
 import numpy as np
 
 from bench.harness import Stack
-from bench.report import (
-    Report,
-    Table,
-    Target,
-    figure,
-    grouped_bars,
-    latency_cdf,
-    pct,
-    save,
-)
-from dispatcher.contract import keys
+from bench.report import Report, Table, axes, figure, grouped_bars, judged, latency_cdf, pct, save
 from testkit import CLI, REPO, free_port, http_ok, wait_for
 from testkit.llama import LLAMA_PYTHON, MODEL_ID, LlamaServer, write_tiny_gguf
 
@@ -90,16 +80,9 @@ def gpulane(*backends: str) -> Iterator[str]:
     """The API and one backend worker per server (``--slots 1``); yields the /v1 URL."""
     with Stack() as stack:
         _, url = stack.gpulane_api(["interactive", "batch"])
-        client = stack.client()
         for i, backend in enumerate(backends):
-            name = f"backend{i}"
-            argv = [*CLI, "worker", "--name", name, "--backend", backend, "--slots", "1"]
-            stack.spawn(name, argv, stack.env())
-
-            def ready(n: str = name) -> bool:
-                return client.hget(keys.worker(n), "state") == b"idle"
-
-            wait_for(ready, 60, f"backend worker {name}")
+            argv = [*CLI, "worker", "--name", f"backend{i}", "--backend", backend, "--slots", "1"]
+            stack.wait_idle(stack.spawn(f"backend{i}", argv, stack.env()), 60)
         yield f"{url}/v1"
 
 
@@ -263,7 +246,7 @@ def _run(size: Size, report: Report, folder: Path) -> tuple[Ttft, Cdfs]:
         report.tables.append(
             Table(
                 "Two servers of unequal speed, 8 concurrent clients (whole completions)",
-                ["system", "servers", "p50 s", "p99 s", "completed"],
+                "system | servers | p50 s | p99 s | completed",
                 rows,
                 note=note,
             )
@@ -279,8 +262,7 @@ def _chart(ttft: Ttft, cdfs: Cdfs, outdir: Path) -> str:
         "through gpulane": [t[1] for t in ttft.values()],
     }
     grouped_bars(left, series, ticks)
-    left.set_ylabel("time to first token, p50 (ms)")
-    left.legend()
+    axes(left, y="time to first token, p50 (ms)", legend=10)
     latency_cdf(right, cdfs)
     right.set_title("two servers of unequal speed, 8 clients", fontsize=9)
     right.legend(fontsize=8)
@@ -306,20 +288,11 @@ def _overhead_rows(
     report.tables.append(
         Table(
             f"Streamed chat completions, one {label} server, sequential",
-            ["path", "TTFT p50 ms", "TTFT p99 ms", "tokens/s p50"],
+            "path | TTFT p50 ms | TTFT p99 ms | tokens/s p50",
             rows,
         )
     )
-    added = f"{added_ms:.1f} ms"
-    report.targets.append(
-        Target(f"TTFT added, p50 ({label} server)", "straight", "<= 5 ms", added, added_ms <= 5)
-    )
-    report.targets.append(
-        Target(
-            f"streamed tokens/s ({label} server)",
-            "straight",
-            ">= 0.95x",
-            f"{ratio:.2f}x",
-            ratio >= 0.95,
-        )
-    )
+    report.targets += [
+        judged(f"TTFT added, p50 ({label} server)", "straight", added_ms, "<= 5 ms", digits=1),
+        judged(f"streamed tokens/s ({label} server)", "straight", ratio, ">= 0.95x"),
+    ]

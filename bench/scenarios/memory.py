@@ -17,7 +17,7 @@ from typing import Any
 from bench import loadgen
 from bench.glside import Submitter, gl_done
 from bench.harness import Stack, rss_mb
-from bench.report import Report, Table, Target, figure, save
+from bench.report import Report, Table, axes, figure, judged, save
 from bench.scenarios.api import BODY, CLASSES
 from testkit import publish_catalog, wait_for
 
@@ -66,21 +66,15 @@ def run(size: str, outdir: Path) -> Report:
     report.tables.append(
         Table(
             "Resident memory (MB = 10^6 bytes)",
-            ["process", "RSS", "of which anonymous", "of which file-backed"],
+            "process | RSS | of which anonymous | of which file-backed",
             [[name, m["VmRSS"], m["RssAnon"], m["RssFile"]] for name, m in data.items()],
         )
     )
     worker = max(m["VmRSS"] for n, m in data.items() if n.startswith("gpulane worker"))
     api = max(m["VmRSS"] for n, m in data.items() if n.startswith("gpulane api"))
     report.targets += [
-        Target(
-            "resident memory, idle worker (no model)",
-            "-",
-            "<= 80 MB",
-            f"{worker:.1f} MB",
-            worker <= 80,
-        ),
-        Target("resident memory, API after load", "-", "<= 120 MB", f"{api:.1f} MB", api <= 120),
+        judged("resident memory, idle worker (no model)", "-", worker, "<= 80 MB", digits=1),
+        judged("resident memory, API after load", "-", api, "<= 120 MB", digits=1),
     ]
     report.charts.append(_chart(data, outdir))
     report.write(outdir)
@@ -93,8 +87,6 @@ def _chart(data: dict[str, Any], outdir: Path) -> str:
     ax.barh(names, [data[n]["VmRSS"] for n in names], label="RSS")
     ax.barh(names, [data[n]["RssAnon"] for n in names], label="anonymous part")
     ax.invert_yaxis()
-    ax.set_xlabel("MB")
     ax.tick_params(axis="y", labelsize=8)
-    ax.legend(fontsize=8)
-    ax.set_title("Resident memory")
+    axes(ax, "Resident memory", "MB", legend=8)
     return save(fig, outdir, "memory.png")

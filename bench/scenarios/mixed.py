@@ -1,40 +1,18 @@
-"""Scenario mixed: a pool of fast and slow workers (issue 15, section 3).
+"""Scenario mixed: a pool of 2 fast and 2 half-speed workers (issue 15, section 3).
 
-A pool that mixes GPU generations: 2 fast workers and 2 slow ones at half speed. Each
-worker runs ``bench.sleep`` (:mod:`bench.gl_tasks`), which sleeps the task's size
-times the worker's slowdown (``BENCH_SLOWDOWN``: 1 fast, 2 slow). The trace is
-``balancing``'s (:mod:`bench.trace`: log-normal sizes, mean 200 ms on a fast worker;
-Poisson arrivals), at 70 % and 90 % of the pool's real capacity, 2 x 1 + 2 x 0.5 = 3
-fast-worker equivalents. It is replayed on time, in one run, through four real
-systems side by side, each with its own ``redis-server`` and four real
-``gpulane worker`` processes:
-
-- ``pull``: gpulane: one shared class queue; a free worker claims; a task that arrives
-  while workers are parked rings one of them. Each worker declares its speed
-  (``GPULANE_WORKER_SPEED`` = 1 / its slowdown: 1 fast, 0.5 slow) and parks in the
-  class's idle set scored ``round(1000 / speed) x 2^32 + free GPU MB``; the doorbell
-  rings the lowest score (``ZPOPMIN``): the fastest parked worker. The workers are
-  numbered slow first (``pull-1-S1``, ..., ``pull-3-F1``, ...): Redis orders equal
-  scores by name, so the speeds, not the names, put the fast ones first.
-- ``rr``: round-robin push: each worker serves its own queue; task i goes to worker
-  i mod 4.
-- ``lc``: least-connections push: to the worker with the fewest outstanding tasks
-  (queued + running, read from Redis when the task arrives), ties round-robin.
-- ``ll``: lowest-latency push, as model gateways route: to the worker with the lowest
-  EWMA (alpha 0.3) of end-to-end latency of its completed tasks, as the router has
-  seen them end (read from Redis when a task arrives); untried workers first, ties
-  round-robin.
-
-Each is also replayed as a zero-overhead model (:mod:`bench.hetero`), next to the
-ideal central queue: FCFS, a task goes to a free worker when one is free (the fastest
-free one first), else waits in the one queue. With declared speeds gpulane's doorbell
-follows the same policy, so the model of pull ("fastest parked first",
-:func:`bench.hetero.doorbell`) is the ideal central queue, task for task; the measured
-pull run differs from it only by gpulane's real overhead. For reference, a doorbell
-blind to speed (a pool that declares no speeds; gpulane's ``SPOP`` before worker
-speeds) is modelled as "random parked worker" over many seeds, on this trace and on
-other draws of it. Latency is end to end, created -> ended (Redis clock); a worker's
-idle share is the part of the run it ran nothing.
+``balancing``'s trace (:mod:`bench.trace`) at 70 % and 90 % of the pool's capacity
+(2 x 1 + 2 x 0.5 = 3 fast-worker equivalents), replayed on time through four real
+systems side by side (:mod:`bench.replay`), each worker running ``bench.sleep`` x its
+``BENCH_SLOWDOWN``: ``pull`` (gpulane; its workers declare ``GPULANE_WORKER_SPEED``, so
+the doorbell rings the fastest parked worker: ``ZPOPMIN`` on the idle score
+``round(1000 / speed) x 2^32 + free MB``; the workers are numbered slow first, so
+names alone would put the slow ones first), and the push routers ``rr``
+(round-robin), ``lc`` (least outstanding tasks) and ``ll`` (lowest EWMA latency of
+the tasks it saw end). Each is also replayed as a zero-overhead model
+(:mod:`bench.hetero`) next to the ideal central queue (fastest free worker first),
+which the model of pull with declared speeds equals task for task. For reference, a
+doorbell blind to speed ("random parked worker") over many seeds and draws of the
+trace. Latency is end to end, created -> ended (Redis clock).
 """
 
 from __future__ import annotations
@@ -47,7 +25,18 @@ from bench import hetero
 from bench import trace as tr
 from bench.harness import Stack
 from bench.replay import System, replay_systems, started
-from bench.report import Report, Table, Target, figure, grouped_bars, latency_cdf, pct, save
+from bench.report import (
+    Report,
+    Table,
+    axes,
+    figure,
+    grouped_bars,
+    info,
+    judged,
+    latency_cdf,
+    pct,
+    save,
+)
 
 SYSTEMS = ("pull", "rr", "lc", "ll")
 LABELS = {
@@ -63,19 +52,9 @@ LABELS = {
     "ll_model": "lowest-latency (model)",
     "le_model": "latency x (outstanding + 1) push (model only)",
 }
-ORDER = (
-    "ideal",
-    "pull",
-    "pull_model",
-    "random_model",
-    "rr",
-    "rr_model",
-    "lc",
-    "lc_model",
-    "ll",
-    "ll_model",
-    "le_model",
-)
+ORDER = ["ideal", "pull", "pull_model", "random_model", "rr", "rr_model", "lc", "lc_model"]
+ORDER += ["ll", "ll_model", "le_model"]
+MODELS = [key for key in ORDER if key == "ideal" or key.endswith("_model")]
 LOADS = (0.7, 0.9)
 TASK = "bench.sleep"
 TARGET = 1.02  # pull's p99 within 2 % of the ideal central queue's
@@ -267,17 +246,8 @@ def _times(tasks: list[tr.Task]) -> list[tuple[float, float, float, int]]:
 
 
 def _cells(r: Row, ideal: Row) -> list[Any]:
-    m = r.m
-    idle = " / ".join(f"{x * 100:.0f}" for x in r.idle)
-    return [
-        m.p50,
-        m.p95,
-        m.p99,
-        m.p99 / ideal.m.p99,
-        idle,
-        m.idle_share * 100,
-        r.fast_work * 100,
-    ]
+    m, idle = r.m, " / ".join(f"{x * 100:.0f}" for x in r.idle)
+    return [m.p50, m.p95, m.p99, m.p99 / ideal.m.p99, idle, m.idle_share * 100, r.fast_work * 100]
 
 
 def _load_table(load: float, r: dict[str, Any], rows: dict[str, Row], cfg: Size) -> Table:
@@ -301,18 +271,11 @@ def _load_table(load: float, r: dict[str, Any], rows: dict[str, Row], cfg: Size)
         "latencies (task in the trace: size, worker, latency): ideal "
         f"{_tail(r['runs']['ideal'], trace, cfg)}; gpulane {_tail(pull, trace, cfg)}."
     )
+    idle = "idle % (" + " / ".join(cfg.labels) + ")"
     return Table(
         f"End-to-end latency at {load:.0%} load (seconds)",
-        [
-            "system",
-            "p50",
-            "p95",
-            "p99",
-            "p99 / ideal",
-            "idle % (" + " / ".join(cfg.labels) + ")",
-            "idle while work waited %",
-            "work on fast %",
-        ],
+        f"system | p50 | p95 | p99 | p99 / ideal | {idle} | idle while work waited % | "
+        "work on fast %",
         body,
         note,
     )
@@ -348,31 +311,15 @@ def _spread_table(
     body = []
     for load, s in spreads.items():
         pull, ideal = rows[load]["pull"].m, rows[load]["ideal"].m
-        body.append(
-            [
-                f"{load:.0%}",
-                s.median,
-                s.p10,
-                s.p90,
-                s.within_2pct * 100,
-                pull.p99 / ideal.p99,
-                s.p50_median,
-                pull.p50 / ideal.p50,
-            ]
-        )
+        body.append([f"{load:.0%}", s.median, s.p10, s.p90, s.within_2pct * 100])
+        body[-1] += [pull.p99 / ideal.p99, s.p50_median, pull.p50 / ideal.p50]
+    measured = "measured pull (declared speeds)"
     return Table(
         f"Reference: pull {RANDOM} (model) over {cfg.seeds} doorbell seeds, against the "
         "ideal central queue (fastest free first)",
-        [
-            "load",
-            "random: p99 / ideal, median",
-            "p10",
-            "p90",
-            f"seeds with p99 <= {TARGET:.2f}x ideal, %",
-            "measured pull (declared speeds) p99 / ideal",
-            "random: p50 / ideal, median",
-            "measured pull (declared speeds) p50 / ideal",
-        ],
+        f"load | random: p99 / ideal, median | p10 | p90 | seeds with p99 <= {TARGET:.2f}x "
+        f"ideal, % | {measured} p99 / ideal | random: p50 / ideal, median | "
+        f"{measured} p50 / ideal",
         body,
         "Same trace, same arrivals; only which parked worker a doorbell wakes changes. "
         "A ratio below 1 means the random choice beat fastest-free-first. The measured "
@@ -388,15 +335,7 @@ def _models_table(cfg: Size) -> Table:
         runs = models(trace, cfg)
         by = {k: row(v, cfg) for k, v in runs.items()}
         spread = hetero.random_spread(trace, cfg.speeds, cfg.seeds)
-        for key in (
-            "ideal",
-            "pull_model",
-            "random_model",
-            "rr_model",
-            "lc_model",
-            "ll_model",
-            "le_model",
-        ):
+        for key in MODELS:
             m, ideal = by[key].m, by["ideal"].m
             wait, tail_wait = hetero.waits(runs[key])
             cells = [m.p50, m.p99, m.p99 / ideal.p99, wait, tail_wait, by[key].fast_work * 100]
@@ -415,16 +354,8 @@ def _models_table(cfg: Size) -> Table:
         )
     return Table(
         f"Models only, full-size trace ({cfg.tasks} tasks, same seed; seconds)",
-        [
-            "load",
-            "model",
-            "p50",
-            "p99",
-            "p99 / ideal",
-            "mean wait",
-            "slowest 1 %: mean wait",
-            "work on fast %",
-        ],
+        "load | model | p50 | p99 | p99 / ideal | mean wait | slowest 1 %: mean wait | "
+        "work on fast %",
         body,
         "Zero-overhead replays (bench/hetero.py); cheap, so computed at every size. The "
         "median row scales each seed's ratio to the ideal by the ideal's p50 and p99. "
@@ -474,17 +405,9 @@ def _traces_table(draws: dict[float, list[Draw]], cfg: Size) -> Table:
         f"Pull with declared speeds, and {RANDOM}, against fastest free first on "
         f"{cfg.trace_seeds} draws of the trace (models, {cfg.tasks} tasks; random: "
         f"{DOORBELL_SEEDS} doorbell seeds each)",
-        [
-            "load",
-            "trace seed",
-            "ideal p50",
-            "ideal p99",
-            "declared speeds: p99 / ideal",
-            "random: p50 / ideal, median",
-            "random: p99 / ideal, median",
-            "random: p90",
-            f"random: seeds with p99 <= {TARGET:.2f}x ideal, %",
-        ],
+        "load | trace seed | ideal p50 | ideal p99 | declared speeds: p99 / ideal | random: "
+        "p50 / ideal, median | random: p99 / ideal, median | random: p90 | random: seeds "
+        f"with p99 <= {TARGET:.2f}x ideal, %",
         body,
         "The same size distribution and load, other draws of sizes and arrivals: how much "
         "the verdict on one trace depends on that trace. The random columns are a "
@@ -501,58 +424,47 @@ def _targets(
     for load, by in rows.items():
         pull, ideal = by["pull"].m.p99, by["ideal"].m.p99
         report.targets.append(
-            Target(
+            judged(
                 f"p99 latency, {load:.0%} load, gpulane with declared speeds, "
                 "2 fast + 2 slow workers (smoke: 1 + 1)",
                 f"ideal central queue: {ideal:.2f} s",
+                pull / ideal,
                 f"<= {TARGET:.2f}x ideal",
                 f"{pull:.2f} s = {pull / ideal:.2f}x",
-                pull / ideal <= TARGET,
             )
         )
     # (The model of pull with declared speeds picks exactly what the ideal picks, so a
     # target on it could not fail: tests/test_bench_smoke.py holds that identity.)
     top = max(rows)
-    s = rows[top]
-    pull_m = s["pull"].m
+    s, spread = {k: r.m for k, r in rows[top].items()}, spreads[top]
+    gl, push = s["pull"], (s["rr"].p99, s["lc"].p99, s["ll"].p99)
     report.targets += [
-        Target(
+        info(
             f"p50 latency, {top:.0%} load",
-            f"ideal central queue: {s['ideal'].m.p50:.2f} s",
-            "-",
-            f"{pull_m.p50:.2f} s = {pull_m.p50 / s['ideal'].m.p50:.2f}x",
-            None,
+            f"ideal central queue: {s['ideal'].p50:.2f} s",
+            f"{gl.p50:.2f} s = {gl.p50 / s['ideal'].p50:.2f}x",
         ),
-        Target(
+        info(
             f"p99 vs push routers, {top:.0%} load",
-            "round-robin {:.2f} s, least-conn. {:.2f} s, lowest-latency {:.2f} s".format(
-                s["rr"].m.p99, s["lc"].m.p99, s["ll"].m.p99
-            ),
-            "-",
-            "{:.2f}x, {:.2f}x, {:.2f}x".format(
-                pull_m.p99 / s["rr"].m.p99, pull_m.p99 / s["lc"].m.p99, pull_m.p99 / s["ll"].m.p99
-            ),
-            None,
+            "round-robin {:.2f} s, least-conn. {:.2f} s, lowest-latency {:.2f} s".format(*push),
+            ", ".join(f"{gl.p99 / p:.2f}x" for p in push),
         ),
-        Target(
+        info(
             f"reference, pull {RANDOM}, model, p99 / ideal, {top:.0%} load",
-            f"{spreads[top].seeds} seeds",
-            "-",
-            f"median {spreads[top].median:.2f}x, p90 {spreads[top].p90:.2f}x",
-            None,
+            f"{spread.seeds} seeds",
+            f"median {spread.median:.2f}x, p90 {spread.p90:.2f}x",
         ),
     ]
-    for load, by_seed in draws.items():
+    for load, by_seed in draws.items():  # a reference: the doorbell follows declared speeds
         medians = [d.random.median for d in by_seed]
         within = sum(d.random.within_2pct for d in by_seed) / len(by_seed)
         report.targets.append(
-            Target(
+            info(
                 f"reference, pull {RANDOM}, model, p99 / ideal, {load:.0%} load, "
                 f"{len(by_seed)} draws of the trace",
                 f"{DOORBELL_SEEDS} seeds each, {SIZES['full'].tasks} tasks",
-                f"({TARGET:.2f}x ideal)",
                 f"medians {min(medians):.2f}-{max(medians):.2f}x; {within:.0%} of runs within",
-                None,  # a reference: gpulane's doorbell now follows declared speeds
+                f"({TARGET:.2f}x ideal)",
             )
         )
 
@@ -568,7 +480,5 @@ def _chart(results: dict[float, Any], rows: dict[float, dict[str, Row]], outdir:
     bars = {f"{load:.0%} load": [s[k].m.p99 for k in keys_] for load, s in sorted(rows.items())}
     ticks = ["ideal", "gpulane\n(pull)", "least-\nconn.", "lowest-\nlatency", "round-\nrobin"]
     grouped_bars(right, bars, ticks)
-    right.set_ylabel("p99 latency (s)")
-    right.set_title("p99 end-to-end latency (measured; ideal: model)")
-    right.legend(fontsize=8)
+    axes(right, "p99 end-to-end latency (measured; ideal: model)", y="p99 latency (s)", legend=8)
     return save(fig, outdir, "mixed.png")

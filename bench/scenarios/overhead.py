@@ -52,7 +52,7 @@ from bench.glside import (
     rq_results,
 )
 from bench.harness import Stack
-from bench.report import Report, Table, Target, figure, pct, save
+from bench.report import Report, Table, axes, cdf, figure, grouped_bars, judged, p50_p99, save
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import FINAL_STATUSES
 from testkit import wait_for
@@ -60,6 +60,7 @@ from testkit import wait_for
 CLASSES = ["interactive", "batch"]
 TYPE = "bench.stamp"
 RQ_QUEUE = "plain"
+NAMES = {"gpulane": "gpulane", "rq": "plain RQ", "celery": "Celery"}  # in the chart
 FINAL = {status.encode() for status in FINAL_STATUSES}
 
 
@@ -359,32 +360,27 @@ def run(size: str, outdir: Path) -> Report:
 
 
 # -- report -------------------------------------------------------------------------
-def _ms(values: list[float]) -> tuple[float, float]:
-    return pct(values, 50), pct(values, 99)
-
-
 def _latency_section(report: Report, data: dict[str, Any]) -> None:
     lat = data["latency"]
     rows = []
     for name, label in (("gpulane", "gpulane (HTTP POST /tasks)"), ("rq", "plain RQ (enqueue)")):
         ret, call = lat[name]["ret"], lat[name]["call"]
-        rows.append([label, *_ms(ret), *_ms(call), len(ret)])
+        rows.append([label, *p50_p99(ret), *p50_p99(call), len(ret)])
     report.tables.append(
         Table(
             "Submit -> handler start on an idle worker (ms)",
-            ["system", "p50 from submit returned", "p99", "p50 from submit called", "p99", "n"],
+            "system | p50 from submit returned | p99 | p50 from submit called | p99 | n",
             rows,
             "'From submit returned' is the DESIGN metric (negative: the worker started the task "
             "before the client had read the reply). 'From submit called' adds the submit "
             "round trip itself (HTTP for gpulane, one Redis pipeline for RQ).",
         )
     )
-    g50, g99 = _ms(lat["gpulane"]["ret"])
-    r50, r99 = _ms(lat["rq"]["ret"])
-    base = f"RQ here: p50 {r50:.2f} ms, p99 {r99:.2f} ms"
+    g50, g99 = p50_p99(lat["gpulane"]["ret"])
+    base = "RQ here: p50 {:.2f} ms, p99 {:.2f} ms".format(*p50_p99(lat["rq"]["ret"]))
     report.targets += [
-        Target("POST returned -> started, p50", base, "<= 1.5 ms", f"{g50:.2f} ms", g50 <= 1.5),
-        Target("POST returned -> started, p99", base, "<= 5 ms", f"{g99:.2f} ms", g99 <= 5.0),
+        judged("POST returned -> started, p50", base, g50, "<= 1.5 ms"),
+        judged("POST returned -> started, p99", base, g99, "<= 5 ms"),
     ]
 
 
@@ -399,11 +395,11 @@ def _throughput_section(report: Report, data: dict[str, Any]) -> None:
         rows.append(
             [workers, gl["rate"], rq["rate"], gl["rate"] / rq["rate"], *celery_cells, gl["n"]]
         )
-    columns = ["workers", "gpulane /s", "plain RQ /s", "gpulane / RQ", "Celery /s"]
     report.tables.append(
         Table(
             "No-op tasks per second, saturated queue",
-            [*columns, "gpulane / Celery", "tasks per run"],
+            "workers | gpulane /s | plain RQ /s | gpulane / RQ | Celery /s | gpulane / Celery | "
+            "tasks per run",
             rows,
             "Rate between the first and the last handler start. gpulane runs with leases, "
             "heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease). Celery "
@@ -422,12 +418,12 @@ def _throughput_section(report: Report, data: dict[str, Any]) -> None:
     )
     gl, rq = data["sat1"]["gpulane"]["rate"], data["sat1"]["rq"]["rate"]
     report.targets.append(
-        Target(
+        judged(
             "no-op tasks/s, 1 worker",
             f"plain RQ here: {rq:,.0f}/s",
+            gl / rq,
             ">= 1.0x RQ",
             f"{gl:,.0f}/s = {gl / rq:.2f}x",
-            gl / rq >= 1.0,
         )
     )
 
@@ -465,14 +461,8 @@ def _commands_section(report: Report, data: dict[str, Any]) -> None:
     report.tables.append(
         Table(
             "Redis commands per task (INFO commandstats, Lua-internal commands included)",
-            [
-                "case",
-                "gpulane",
-                "of which EVALSHA",
-                "plain RQ",
-                "RQ without MULTI/EXEC/WATCH",
-                "gpulane / RQ",
-            ],
+            "case | gpulane | of which EVALSHA | plain RQ | RQ without MULTI/EXEC/WATCH | "
+            "gpulane / RQ",
             rows,
             f"Clean isolated windows: gpulane {n_windows['gpulane']}, RQ {n_windows['rq']}. "
             f"Background with nothing to do: gpulane {data['bg']['gpulane']:.1f} commands/s "
@@ -483,12 +473,12 @@ def _commands_section(report: Report, data: dict[str, Any]) -> None:
     g_total = sum(iso["gpulane"].values())
     r_total = sum(iso["rq"].values())
     report.targets.append(
-        Target(
+        judged(
             "Redis commands per task, whole lifecycle",
             f"plain RQ here: {r_total}",
+            g_total,
             "<= 30",
             f"{g_total}",
-            g_total <= 30,
         )
     )
 
@@ -503,7 +493,7 @@ def _trace_tables(report: Report, data: dict[str, Any], iso: dict[str, Counter[s
     report.tables.append(
         Table(
             "One isolated lifecycle recorded with MONITOR",
-            ["system", "client round trips (commands sent)", "Lua-internal", "total"],
+            "system | client round trips (commands sent) | Lua-internal | total",
             rows,
         )
     )
@@ -513,7 +503,7 @@ def _trace_tables(report: Report, data: dict[str, Any], iso: dict[str, Counter[s
     report.tables.append(
         Table(
             "Isolated lifecycle by command (median window)",
-            ["command", "gpulane", "plain RQ"],
+            "command | gpulane | plain RQ",
             [[c.upper(), iso["gpulane"][c], iso["rq"][c]] for c in names],
         )
     )
@@ -528,26 +518,20 @@ def _trace_tables(report: Report, data: dict[str, Any], iso: dict[str, Counter[s
 def _chart(data: dict[str, Any], outdir: Path) -> str:
     fig, (left, right) = figure(9.0, 3.4, ncols=2)
     for name, label in (("gpulane", "gpulane"), ("rq", "plain RQ")):
-        values = sorted(data["latency"][name]["ret"])
-        ys = [(i + 1) / len(values) for i in range(len(values))]
-        left.plot(values, ys, label=label)
-    left.set_xlabel("submit returned -> handler start (ms)")
-    left.set_ylabel("fraction of tasks")
-    left.set_title("Submit->start, idle worker")
-    left.legend()
-    labels = ["1 worker", "4 workers"]
-    gl = [data[k]["gpulane"]["rate"] for k in ("sat1", "sat4")]
-    rq = [data[k]["rq"]["rate"] for k in ("sat1", "sat4")]
-    xs = range(len(labels))
-    bars = [("gpulane", gl), ("plain RQ", rq)]
-    if all("celery" in data[k] for k in ("sat1", "sat4")):
-        bars.append(("Celery", [data[k]["celery"]["rate"] for k in ("sat1", "sat4")]))
-    width = 0.8 / len(bars)
-    for i, (label, values) in enumerate(bars):
-        offset = (i - (len(bars) - 1) / 2) * width
-        right.bar([x + offset for x in xs], values, width=width, label=label)
-    right.set_xticks(list(xs), labels)
-    right.set_ylabel("no-op tasks / s")
-    right.set_title("Throughput, saturated")
-    right.legend()
+        cdf(left, data["latency"][name]["ret"], label=label)
+    axes(
+        left,
+        "Submit->start, idle worker",
+        "submit returned -> handler start (ms)",
+        "fraction of tasks",
+        legend=10,
+    )
+    sat = ("sat1", "sat4")
+    bars = {
+        label: [data[k][name]["rate"] for k in sat]
+        for name, label in NAMES.items()
+        if all(name in data[k] for k in sat)
+    }
+    grouped_bars(right, bars, ["1 worker", "4 workers"])
+    axes(right, "Throughput, saturated", y="no-op tasks / s", legend=10)
     return save(fig, outdir, "overhead.png")

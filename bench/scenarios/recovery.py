@@ -27,7 +27,7 @@ from rq.serializers import JSONSerializer
 
 from bench.glside import Submitter, records
 from bench.harness import Stack
-from bench.report import Report, Table, Target, figure, save
+from bench.report import Report, Table, axes, figure, judged, save
 from testkit import wait_for
 
 CLASSES = ["interactive", "batch"]
@@ -91,40 +91,27 @@ def run(size: str, outdir: Path) -> Report:
     gl = [_gpulane_once(i) for i in range(cfg.runs)]
     rq = _rq_once() if cfg.with_rq else None
     report = Report("recovery", size)
-    rows: list[list[Any]] = [
-        [
-            "gpulane, defaults (heartbeat 1 s, lease 3 s)",
-            len(gl),
-            min(gl),
-            sorted(gl)[len(gl) // 2],
-            max(gl),
-        ],
-    ]
+    gl_label = "gpulane, defaults (heartbeat 1 s, lease 3 s)"
+    rows: list[list[Any]] = [[gl_label, len(gl), min(gl), sorted(gl)[len(gl) // 2], max(gl)]]
     if cfg.with_rq:
         shown = rq if rq is not None else f"> {RQ_LIMIT_S:.0f}"
         rows.append(["plain RQ SimpleWorker, defaults, Retry(max=1)", 1, shown, shown, shown])
     report.tables.append(
         Table(
             "Seconds from SIGKILL of the worker to the task starting on another worker",
-            ["system", "runs", "min s", "median s", "max s"],
+            "system | runs | min s | median s | max s",
             rows,
             "The RQ side runs at full size only (about 15 minutes): RQ reclaims an abandoned "
             "job on a worker's maintenance pass, every 10 minutes by default.",
         )
     )
+    baseline = f"plain RQ: > {RQ_LIMIT_S:.0f} s" if cfg.with_rq else "plain RQ: full size only"
     if rq is not None:
         baseline = f"plain RQ defaults: {rq:.0f} s"
-    else:
-        baseline = (
-            "plain RQ: full size only" if not cfg.with_rq else f"plain RQ: > {RQ_LIMIT_S:.0f} s"
-        )
+    worst = f"{max(gl):.2f} s (worst of {len(gl)})"
     report.targets.append(
-        Target(
-            "SIGKILLed worker's task running again elsewhere",
-            baseline,
-            "<= 5 s",
-            f"{max(gl):.2f} s (worst of {len(gl)})",
-            max(gl) <= 5,
+        judged(
+            "SIGKILLed worker's task running again elsewhere", baseline, max(gl), "<= 5 s", worst
         )
     )
     report.charts.append(_chart(gl, rq, outdir))
@@ -137,7 +124,6 @@ def _chart(gl: list[float], rq: float | None, outdir: Path) -> str:
     labels = ["gpulane"] + (["plain RQ"] if rq is not None else [])
     values = [max(gl)] + ([rq] if rq is not None else [])
     axis.barh(labels, values)
-    axis.set_xscale("log")
-    axis.set_xlabel("seconds until the killed worker's task runs again (log scale)")
-    axis.set_title("Recovery after SIGKILL")
+    x = "seconds until the killed worker's task runs again (log scale)"
+    axes(axis, "Recovery after SIGKILL", x, xscale="log")
     return save(fig, outdir, "recovery.png")

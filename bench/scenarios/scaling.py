@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.glside import Submitter, gl_done, records
 from bench.harness import Stack, classes_json
-from bench.report import Report, Table, Target, figure, save
+from bench.report import Report, Table, axes, figure, judged, save
 from testkit import wait_for
 
 
@@ -147,6 +147,18 @@ def summarize(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _cells(r: dict[str, Any]) -> list[Any]:
+    spread = f"{r['spread']:.1%}"
+    return [
+        r["workers"] * r["one"],
+        r["efficiency"],
+        r["span_rate"],
+        spread,
+        r["run_ms"],
+        r["gap_ms"],
+    ]
+
+
 def run(size: str, outdir: Path) -> Report:
     cfg = SIZES[size]
     rows = summarize(measure(cfg))
@@ -154,33 +166,10 @@ def run(size: str, outdir: Path) -> Report:
     report.tables.append(
         Table(
             f"Throughput on N workers, saturated queue of {cfg.task_s * 1000:.0f} ms tasks",
-            [
-                "N",
-                "runs",
-                "tasks",
-                "tasks/s (saturated)",
-                "N x one worker (bracketing runs)",
-                "efficiency",
-                "tasks/s first start -> last end",
-                "spread between runs",
-                "mean run ms",
-                "median end->next start ms",
-            ],
-            [
-                [
-                    r["workers"],
-                    r["runs"],
-                    r["tasks"],
-                    r["rate"],
-                    r["workers"] * r["one"],
-                    r["efficiency"],
-                    r["span_rate"],
-                    f"{r['spread']:.1%}",
-                    r["run_ms"],
-                    r["gap_ms"],
-                ]
-                for r in rows
-            ],
+            "N | runs | tasks | tasks/s (saturated) | N x one worker (bracketing runs) | "
+            "efficiency | tasks/s first start -> last end | spread between runs | mean run ms | "
+            "median end->next start ms",
+            [[*(r[k] for k in ("workers", "runs", "tasks", "rate")), *_cells(r)] for r in rows],
             "Saturated tasks/s: the sum over workers of each one's rate from its first task's "
             "start to its last task's start. First start -> last end also counts the staggered "
             "wake-up and the uneven tail of a short run (a worker doing one task more than "
@@ -193,12 +182,12 @@ def run(size: str, outdir: Path) -> Report:
         goal = {4: 0.97, 8: 0.95}.get(r["workers"])
         if goal is not None:
             report.targets.append(
-                Target(
+                judged(
                     f"throughput on {r['workers']} workers, equal tasks, saturated",
                     f"{r['workers']} x one worker = {r['workers'] * r['one']:.1f}/s",
+                    r["efficiency"],
                     f">= {goal:.2f} N",
-                    f"{r['efficiency']:.3f} N",
-                    r["efficiency"] >= goal,
+                    digits=3,
                 )
             )
     report.charts.append(_chart(rows, outdir))
@@ -213,14 +202,9 @@ def _chart(steps: list[dict[str, Any]], outdir: Path) -> str:
     left.plot(
         ns, [n * s["one"] for n, s in zip(ns, steps, strict=True)], "--", label="N x one worker"
     )
-    left.set_xlabel("workers")
-    left.set_ylabel("tasks / s")
-    left.set_title("Throughput")
-    left.legend()
+    axes(left, "Throughput", "workers", "tasks / s", legend=10)
     right.plot(ns, [s["efficiency"] for s in steps], "o-")
     right.axhline(0.95, color="grey", linestyle=":")
     right.set_ylim(0.8, 1.05)
-    right.set_xlabel("workers")
-    right.set_ylabel("efficiency")
-    right.set_title("Efficiency X(N) / (N X(1))")
+    axes(right, "Efficiency X(N) / (N X(1))", "workers", "efficiency")
     return save(fig, outdir, "scaling.png")
