@@ -257,7 +257,8 @@ async def rows(
 
 
 def table(name: str, measured: dict[str, Row], limit: float | None = None) -> Table:
-    """One system's rows as a report table (``limit``: in-process inputs/s, a row)."""
+    """One system's rows as a report table (``limit``: in-process inputs/s around
+    them, a row)."""
     body: list[list[Any]] = []
     for row in measured.values():
         s = row.summary()

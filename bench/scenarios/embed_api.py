@@ -9,7 +9,12 @@ machine, and gets the same load (:mod:`bench.embed_load`):
 
 - (a) one call of 2,048 inputs; (b) 32 concurrent clients of 1 input; (c) 8 concurrent
   clients of 256 inputs: inputs/s against in-process ``model.encode`` at batch 64 on the
-  same texts (the limit);
+  same texts (the limit). The limit is measured before the first system and again
+  after each one stops, and each system is held to the mean of the two around it: this
+  machine's speed drifts by 10-15 % within minutes, and one limit taken at the end
+  judged the first system against a different machine. "Ahead of a peer" compares
+  those ratios too, so a peer's luckier minutes are not gpulane's loss (the raw
+  inputs/s are in the tables);
 - (p) single-input requests, Poisson at half the capacity (b) measured: p50, p99.
 
 gpulane is one ``gpulane api`` process and one ``embed`` worker (batches of 64, 5 ms
@@ -86,28 +91,43 @@ def measure(size: Size) -> dict[str, Any]:
     for corpus in size.corpora:
         texts = embed_load.corpus(max(load.one_call, load.encode_texts, 512), corpus)
         rows: dict[str, dict[str, Row]] = {}
+        limits: dict[str, float] = {}
+        # A first pass unrecorded: the first sight of each padded shape builds its
+        # kernels, which took the first limit 15 % under the later ones.
+        embed_load.in_process(texts[: load.encode_texts])
+        before = embed_load.in_process(texts[: load.encode_texts])
+        all_limits = [before]
         for system in _systems(size):  # one up at a time: each gets the whole machine
             with system() as served:
                 rows[served.name] = asyncio.run(
                     embed_load.rows(served.base_url, served.model, texts, load, "abcp")
                 )
-        limit = embed_load.in_process(texts[: load.encode_texts])
-        data["corpora"][corpus] = {"rows": rows, "limit": limit}
+            after = embed_load.in_process(texts[: load.encode_texts])
+            limits[served.name] = (before + after) / 2
+            all_limits.append(after)
+            before = after
+        data["corpora"][corpus] = {"rows": rows, "limits": limits, "measured": all_limits}
     return data
 
 
-def _targets(corpus: str, rows: dict[str, dict[str, Row]], limit: float) -> list[Target]:
+def _targets(
+    corpus: str, rows: dict[str, dict[str, Row]], limits: dict[str, float]
+) -> list[Target]:
     gl = rows["gpulane"]
     others = {name: r for name, r in rows.items() if name != "gpulane"}
     out = []
     for key, what in (("a", "1 call of 2,048"), ("b", "32 clients x 1"), ("c", "8 clients x 256")):
-        ratio = gl[key].inputs_per_s / limit
-        ahead = all(gl[key].inputs_per_s >= o[key].inputs_per_s for o in others.values())
-        peers_text = ", ".join(f"{n} {o[key].inputs_per_s:,.0f}/s" for n, o in others.items())
+        ratio = gl[key].inputs_per_s / limits["gpulane"]
+        theirs = {n: o[key].inputs_per_s / limits[n] for n, o in others.items()}
+        ahead = all(ratio >= r for r in theirs.values())
+        peers_text = ", ".join(
+            f"{n} {o[key].inputs_per_s:,.0f}/s = {theirs[n]:.2f}x" for n, o in others.items()
+        )
         out.append(
             Target(
                 f"/v1/embeddings {what} ({corpus}) vs in-process encode",
-                f"{limit:,.0f} inputs/s in-process; {peers_text or 'peers not installed'}",
+                f"{limits['gpulane']:,.0f} inputs/s in-process around gpulane's rows; "
+                f"{peers_text or 'peers not installed'}",
                 ">= 0.9x, ahead of every peer",
                 f"{gl[key].inputs_per_s:,.0f}/s = {ratio:.2f}x",
                 ratio >= 0.9 and ahead,
@@ -133,11 +153,14 @@ def run(size: str, outdir: Path) -> Report:
     data = measure(SIZES[size])
     report = Report("embed_api", size)
     for corpus, got in data["corpora"].items():
-        report.targets += _targets(corpus, got["rows"], got["limit"])
+        report.targets += _targets(corpus, got["rows"], got["limits"])
         for name, rows in got["rows"].items():
-            report.tables.append(embed_load.table(f"{name}, {corpus} texts", rows))
-        report.tables.append(
-            embed_load.table(f"in-process model.encode, {corpus} texts", {}, got["limit"])
+            table = embed_load.table(f"{name}, {corpus} texts", rows, got["limits"][name])
+            report.tables.append(table)
+        measured = ", then ".join(f"{x:,.0f}" for x in got["measured"])
+        report.notes.append(
+            f"In-process model.encode ({corpus}), inputs/s, before the first system and "
+            f"after each: {measured}."
         )
     if not data["peers"]:
         report.notes.append(
@@ -151,11 +174,13 @@ def run(size: str, outdir: Path) -> Report:
 
 
 def _chart(data: dict[str, Any], outdir: Path) -> str:
-    """Inputs/s per row and system, the in-process limit as a line (the first corpus)."""
+    """Inputs/s per row and system, the in-process limit around gpulane's rows as a
+    line (the first corpus)."""
     corpus, got = next(iter(data["corpora"].items()))
     fig, ax = figure(8.0, 3.4)
     bars = {name: [rows[k].inputs_per_s for k in "abc"] for name, rows in got["rows"].items()}
     grouped_bars(ax, bars, ["1 x 2,048", "32 x 1", "8 x 256"])
-    ax.axhline(got["limit"], color="grey", linestyle="--", linewidth=1, label="in-process")
+    limit = got["limits"]["gpulane"]
+    ax.axhline(limit, color="grey", linestyle="--", linewidth=1, label="in-process")
     axes(ax, f"/v1/embeddings, {corpus} texts", y="inputs/s", legend=8)
     return save(fig, outdir, "embed_api.png")
