@@ -115,6 +115,9 @@ def _cycle(texts: list[str], start: int, n: int) -> list[str]:
     return [texts[(start + i) % len(texts)] for i in range(n)]
 
 
+_JSON = {"content-type": "application/json"}
+
+
 async def _post(client: aiohttp.ClientSession, model: str, inputs: list[str]) -> float:
     """One request; its latency in ms (the whole body read). A wrong status or count
     raises."""
@@ -129,9 +132,6 @@ async def _post(client: aiohttp.ClientSession, model: str, inputs: list[str]) ->
     if len(data) != len(inputs):
         raise RuntimeError(f"{len(inputs)} inputs sent, {len(data)} embeddings back")
     return elapsed
-
-
-_JSON = {"content-type": "application/json"}
 
 
 def _client(base_url: str, timeout_s: float, clients: int) -> aiohttp.ClientSession:

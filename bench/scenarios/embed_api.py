@@ -92,9 +92,6 @@ def measure(size: Size) -> dict[str, Any]:
         texts = embed_load.corpus(max(load.one_call, load.encode_texts, 512), corpus)
         rows: dict[str, dict[str, Row]] = {}
         limits: dict[str, float] = {}
-        # A first pass unrecorded: the first sight of each padded shape builds its
-        # kernels, which took the first limit 15 % under the later ones.
-        embed_load.in_process(texts[: load.encode_texts])
         before = embed_load.in_process(texts[: load.encode_texts])
         all_limits = [before]
         for system in _systems(size):  # one up at a time: each gets the whole machine
