@@ -125,6 +125,8 @@ module, so a layout change here reaches every script.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 __all__ = [
     "CATALOG",
     "EVENTS",
@@ -330,10 +332,14 @@ def catalog_publisher(digest: str, group: str) -> str:
     return _build("catalog_publisher", digest, group)
 
 
-def lua_prelude() -> str:
-    """Lua table ``K`` with the same key builders, prepended to every script."""
+def lua_prelude(used: Collection[str] | None = None) -> str:
+    """Lua table ``K`` with the same key builders, prepended to every script: those in
+    ``used`` (None: all). Redis runs a script's whole text on every call, so a script
+    carries only the builders it names."""
     lines = ["local K = {}"]
     for name, (prefix, args, suffix) in _TEMPLATES.items():
+        if used is not None and name not in used:
+            continue
         body = " .. ':' .. ".join(args) + (f" .. '{suffix}'" if suffix else "")
         lines.append(f"function K.{name}({', '.join(args)}) return '{prefix}' .. {body} end")
     for name, value in (
@@ -347,5 +353,6 @@ def lua_prelude() -> str:
         ("EVENTS", EVENTS),
         ("USAGE_MINUTES", USAGE_MINUTES),
     ):
-        lines.append(f"K.{name} = '{value}'")
+        if used is None or name in used:
+            lines.append(f"K.{name} = '{value}'")
     return "\n".join(lines) + "\n"
