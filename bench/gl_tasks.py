@@ -29,8 +29,8 @@ class StampArgs(BaseModel):
 
 @task("bench.stamp")
 def stamp(args: StampArgs, ctx: TaskContext) -> dict[str, Any]:
-    """No-op: return when the handler started (epoch seconds)."""
-    return {"t": time.time()}
+    """No-op: when the handler started (epoch seconds) and which worker process ran it."""
+    return {"t": time.time(), "w": os.getpid()}
 
 
 SLOWDOWN = float(os.environ.get("BENCH_SLOWDOWN", "1"))

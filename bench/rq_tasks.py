@@ -6,20 +6,19 @@ its body began, so both systems are timed the same way.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 
 def stamp() -> dict[str, Any]:
-    """No-op: return when the function started (epoch seconds)."""
-    return {"t": time.time()}
+    """No-op: when the function started (epoch seconds) and which worker process ran it."""
+    return {"t": time.time(), "w": os.getpid()}
 
 
 def slow(seconds: float) -> str:
     """Record each start of this job (epoch seconds, pid) in ``starts:<job id>``, then
     sleep: the recovery scenario counts the starts."""
-    import os
-
     from rq import get_current_job
 
     job = get_current_job()

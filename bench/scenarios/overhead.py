@@ -8,8 +8,9 @@ the systems so both see the same machine load.
   returned -> the ``bench.stamp`` handler began in an idle ``gpulane worker``. Plain
   RQ: ``Queue.enqueue`` returned -> the same no-op began in an idle ``SimpleWorker``
   (JSON serializer). Both handlers return ``time.time()`` at entry (same host clock).
-- Throughput: a queue filled with no-ops faster than it drains; tasks per second
-  between the first and the last handler start, on 1 and 4 workers per system.
+- Throughput: a queue of no-ops filled first, then 1 (or 4) fresh workers started on
+  it, for every system alike (:func:`window_rate`): tasks per second between handler
+  starts, over the span every worker was running.
 - Redis commands per task: ``INFO commandstats`` deltas (Lua-internal commands
   included) at saturation (heartbeats, leases, metrics and the API's maintenance
   amortized in) and for one isolated task on an idle worker (submit, dequeue, start,
@@ -20,9 +21,7 @@ the systems so both see the same machine load.
   made ``.venv-peers``; else its cells say so): a third identical ``redis-server`` as
   broker and result backend, the queue filled with N ``bench.celery.stamp`` no-ops
   first, then 1 (or 4) ``celery worker --pool solo -c 1 --prefetch-multiplier 1``
-  (``task_acks_late=True``) started on it. The rate is RQ's, between handler starts:
-  from the moment every worker has begun its first task (workers boot one by one on a
-  full queue) to the first worker's last start; on 1 worker, first to last start.
+  (``task_acks_late=True``) started on it, timed as the others are.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ from bench.glside import (
     rq_queue,
     rq_results,
 )
-from bench.harness import Stack
+from bench.harness import Proc, Stack
 from bench.report import Report, Table, axes, cdf, figure, grouped_bars, judged, p50_p99, save
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import FINAL_STATUSES
@@ -75,7 +74,7 @@ class Size:
 
 SIZES = {
     "smoke": Size(latency=5, windows=2, tasks_1=100, tasks_4=150, background_s=0.3),
-    "quick": Size(latency=120, windows=10, tasks_1=800, tasks_4=1000, background_s=2.0),
+    "quick": Size(latency=120, windows=10, tasks_1=2000, tasks_4=4000, background_s=2.0),
     "full": Size(latency=1000, windows=30, tasks_1=10_000, tasks_4=15_000, background_s=5.0),
 }
 
@@ -90,6 +89,7 @@ class Systems:
     gl_client: redis.Redis
     rq_client: redis.Redis
     queue: Queue
+    workers: list[Proc]  # the latency and command-count workers, one per system
 
 
 # -- latency ------------------------------------------------------------------------
@@ -190,13 +190,31 @@ def traces(sys_: Systems) -> dict[str, cmdstats.Monitor]:
 
 
 # -- throughput at saturation -------------------------------------------------------
+def window_rate(stamps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tasks/s between handler starts (``{"t", "w"}``: when, which worker process) over
+    the span every worker that took tasks was running: workers boot one by one on a
+    full queue, so from the moment the last of them began its first task to the moment
+    the first of them began its last. On one worker: its first start to its last."""
+    by_worker: dict[Any, list[float]] = {}
+    for r in stamps:
+        by_worker.setdefault(r["w"], []).append(r["t"])
+    begin = max(min(ts) for ts in by_worker.values())
+    end = min(max(ts) for ts in by_worker.values())
+    inside = [r["t"] for r in stamps if begin <= r["t"] <= end]
+    rate = (len(inside) - 1) / (end - begin) if end > begin else float("nan")
+    return {"rate": rate, "workers_seen": len(by_worker), "window_tasks": len(inside)}
+
+
 def _saturate(
-    client: redis.Redis, queue_key: str, fill: Any, done: Any, results: Any
+    client: redis.Redis, queue_key: str, fill: Any, start: Any, done: Any, results: Any
 ) -> dict[str, Any]:
+    """Fill the queue, then start the workers on it (as Celery's are: no system's
+    workers share the machine with its submitter), and time their starts."""
     counting = cmdstats.Counting()
     cmdstats.reset(client)
     t0 = time.monotonic()
     ids = fill()
+    procs = start()
     while client.llen(queue_key):
         counting.add("llen")
         time.sleep(0.05)
@@ -207,17 +225,20 @@ def _saturate(
     counting.add("hget", len(ids))
     wall = time.monotonic() - t0
     stats = counting.net(cmdstats.read(client))
-    stamps = sorted(r["t"] for r in results(ids))
-    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    return {"n": len(ids), "rate": rate, "stats": stats, "wall_s": wall}
+    for proc in procs:
+        proc.stop()
+    return {"n": len(ids), "stats": stats, "wall_s": wall, **window_rate(results(ids))}
 
 
-def saturation(sys_: Systems, n: int) -> dict[str, dict[str, Any]]:
+def saturation(sys_: Systems, n: int, workers: int) -> dict[str, dict[str, Any]]:
+    """gpulane and plain RQ, one after the other: ``n`` no-ops queued, then ``workers``
+    fresh workers started on them (the latency workers are stopped by then)."""
     submitter = Submitter(sys_.gl_client, CLASSES)
     gl = _saturate(
         sys_.gl_client,
         keys.queue("batch"),
         lambda: submitter.fill(n, TYPE, {}, "batch"),
+        lambda: [sys_.gl.gpulane_worker(f"gw{workers}-{i}", wait=False) for i in range(workers)],
         lambda ids: gl_done(sys_.gl_client, ids),
         lambda ids: gl_results(sys_.gl_client, ids),
     )
@@ -225,6 +246,9 @@ def saturation(sys_: Systems, n: int) -> dict[str, dict[str, Any]]:
         sys_.rq_client,
         f"rq:queue:{RQ_QUEUE}",
         lambda: rq_fill(sys_.queue, n),
+        lambda: [
+            sys_.rq.rq_worker(f"rq{workers}-{i}", RQ_QUEUE, wait=False) for i in range(workers)
+        ],
         lambda ids: rq_done(sys_.rq_client, ids),
         lambda ids: rq_results(sys_.rq_client, ids),
     )
@@ -283,14 +307,7 @@ def celery_saturation(stack: Stack, n: int, workers: int) -> dict[str, Any]:
         proc.terminate()
     for proc in procs:
         proc.stop()
-    by_worker: dict[int, list[float]] = {}
-    for r in stamps:
-        by_worker.setdefault(r["w"], []).append(r["t"])
-    begin = max(min(ts) for ts in by_worker.values())
-    end = min(max(ts) for ts in by_worker.values())
-    inside = [r["t"] for r in stamps if begin <= r["t"] <= end]
-    rate = (len(inside) - 1) / (end - begin) if end > begin else float("nan")
-    return {"n": n, "rate": rate, "workers_seen": len(by_worker), "window_tasks": len(inside)}
+    return {"n": n, **window_rate(stamps)}
 
 
 def background_rate(client: redis.Redis, seconds: float) -> float:
@@ -302,8 +319,7 @@ def background_rate(client: redis.Redis, seconds: float) -> float:
 # -- the run ------------------------------------------------------------------------
 def _start(gl: Stack, rq: Stack) -> Systems:
     _, url = gl.gpulane_api(CLASSES)
-    gl.gpulane_worker("gw0")
-    rq.rq_worker("rq0", RQ_QUEUE)
+    workers = [gl.gpulane_worker("gw0"), rq.rq_worker("rq0", RQ_QUEUE)]
     rq_client = rq.client()
     return Systems(
         gl=gl,
@@ -312,6 +328,7 @@ def _start(gl: Stack, rq: Stack) -> Systems:
         gl_client=gl.client(),
         rq_client=rq_client,
         queue=rq_queue(rq_client, RQ_QUEUE),
+        workers=workers,
     )
 
 
@@ -331,17 +348,12 @@ def measure(size: Size) -> dict[str, Any]:
             "gpulane": background_rate(sys_.gl_client, size.background_s),
             "rq": background_rate(sys_.rq_client, size.background_s),
         }
-        data["sat1"] = saturation(sys_, size.tasks_1)
+        for proc in sys_.workers:  # every system's saturation workers start on a full queue
+            proc.stop()
+        data["sat1"] = saturation(sys_, size.tasks_1, 1)
         if celery is not None:
             data["sat1"]["celery"] = celery_saturation(celery, size.tasks_1, 1)
-        more = [
-            (gl.gpulane_worker(f"gw{i}", wait=False), rq.rq_worker(f"rq{i}", RQ_QUEUE, wait=False))
-            for i in range(1, 4)
-        ]
-        for gw, rw in more:
-            gl.wait_registered(gw)
-            rq.wait_rq(rw)
-        data["sat4"] = saturation(sys_, size.tasks_4)
+        data["sat4"] = saturation(sys_, size.tasks_4, 4)
         if celery is not None:
             data["sat4"]["celery"] = celery_saturation(celery, size.tasks_4, 4)
         sys_.http.close()
@@ -401,19 +413,20 @@ def _throughput_section(report: Report, data: dict[str, Any]) -> None:
             "workers | gpulane /s | plain RQ /s | gpulane / RQ | Celery /s | gpulane / Celery | "
             "tasks per run",
             rows,
-            "Rate between the first and the last handler start. gpulane runs with leases, "
-            "heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease). Celery "
-            "(peers venv: solo pool, prefetch 1, acks late, Redis broker and results): the "
-            "queue filled first, the workers started on it; the same rate, between starts, "
-            "over the span all its workers were running"
-            + (
-                f" (workers that took tasks: {data['sat1']['celery']['workers_seen']} and "
-                f"{data['sat4']['celery']['workers_seen']}; tasks in that span: "
-                f"{data['sat1']['celery']['window_tasks']} and "
-                f"{data['sat4']['celery']['window_tasks']})."
-                if "celery" in data["sat4"]
-                else "."
-            ),
+            "Every system alike: the queue filled first, then its 1 (or 4) workers "
+            "started on it; tasks/s between handler starts over the span every worker that "
+            "took tasks was running (on 1 worker: its first start to its last). gpulane runs "
+            "with leases, heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease). "
+            "Plain RQ: SimpleWorker. Celery (peers venv): solo pool, prefetch 1, acks late, "
+            "Redis broker and results. Workers that took tasks / tasks in that span, 1 then "
+            "4 workers: "
+            + "; ".join(
+                f"{NAMES[name]} {data['sat1'][name]['workers_seen']}/"
+                f"{data['sat1'][name]['window_tasks']}, {data['sat4'][name]['workers_seen']}/"
+                f"{data['sat4'][name]['window_tasks']}"
+                for name in data["sat4"]
+            )
+            + ".",
         )
     )
     gl, rq = data["sat1"]["gpulane"]["rate"], data["sat1"]["rq"]["rate"]
