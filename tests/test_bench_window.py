@@ -25,5 +25,11 @@ def test_span_starts_when_the_last_worker_began_and_ends_with_the_first_to_stop(
 
 
 def test_workers_that_never_overlapped_have_no_rate() -> None:
-    got = window_rate([{"t": 1.0, "w": 1}, {"t": 2.0, "w": 1}, {"t": 3.0, "w": 2}])
+    got = window_rate([{"t": float(t), "w": 1 if t < 3 else 2} for t in (1, 2, 3, 4)])
     assert math.isnan(got["rate"])
+
+
+def test_a_worker_that_began_one_task_bounds_no_span() -> None:
+    early = [{"t": float(t), "w": "a"} for t in range(0, 5)]
+    got = window_rate([*early, {"t": 4.5, "w": "late"}])
+    assert got == {"rate": 1.0, "workers_seen": 1, "window_tasks": 5}

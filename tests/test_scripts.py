@@ -244,3 +244,16 @@ def test_each_script_carries_only_the_helpers_it_uses() -> None:
             for helper in lualib.defined(lib) & mentioned:
                 defines = (f"local function {helper}(", f"local {helper} =")
                 assert any(d in text for d in defines), (name, helper)
+
+
+def test_options_reach_lua_unbounded_and_past_64_bits(r: redis.Redis) -> None:
+    """An unbounded setting (``max_wait_s = inf``) and a huge device quota in
+    microseconds arrive in a script as numbers, not as nil or an encoder error."""
+    opts = options(wait=float("inf"), quota_us=round(2e13 * 1e6))
+    got = r.eval(
+        "local o = cjson.decode(ARGV[1]); "
+        "return {tostring(o.wait > 1e308), tostring(o.quota_us > 1.9e19)}",
+        0,
+        opts,
+    )
+    assert got == [b"true", b"true"]

@@ -194,15 +194,17 @@ def window_rate(stamps: list[dict[str, Any]]) -> dict[str, Any]:
     """Tasks/s between handler starts (``{"t", "w"}``: when, which worker process) over
     the span every worker that took tasks was running: workers boot one by one on a
     full queue, so from the moment the last of them began its first task to the moment
-    the first of them began its last. On one worker: its first start to its last."""
+    the first of them began its last. On one worker: its first start to its last. A
+    worker that began a single task (booted as the queue ran dry) bounds no span."""
     by_worker: dict[Any, list[float]] = {}
     for r in stamps:
         by_worker.setdefault(r["w"], []).append(r["t"])
-    begin = max(min(ts) for ts in by_worker.values())
-    end = min(max(ts) for ts in by_worker.values())
+    spans = [ts for ts in by_worker.values() if len(ts) > 1] or list(by_worker.values())
+    begin = max(min(ts) for ts in spans)
+    end = min(max(ts) for ts in spans)
     inside = [r["t"] for r in stamps if begin <= r["t"] <= end]
     rate = (len(inside) - 1) / (end - begin) if end > begin else float("nan")
-    return {"rate": rate, "workers_seen": len(by_worker), "window_tasks": len(inside)}
+    return {"rate": rate, "workers_seen": len(spans), "window_tasks": len(inside)}
 
 
 def _saturate(
@@ -214,15 +216,22 @@ def _saturate(
     cmdstats.reset(client)
     t0 = time.monotonic()
     ids = fill()
-    procs = start()
-    while client.llen(queue_key):
-        counting.add("llen")
-        time.sleep(0.05)
-    counting.add("llen")
-    while not done(ids):
-        counting.add("hget", len(ids))
-        time.sleep(0.02)
-    counting.add("hget", len(ids))
+    procs: list[Proc] = start()
+
+    def polled(what: str, n: int, check: Any) -> Any:
+        def probe() -> bool:
+            for proc in procs:  # a worker that died booting fails the run, not hangs it
+                if not proc.alive():
+                    raise RuntimeError(f"worker {proc.name} exited:\n{proc.tail()}")
+            counting.add(what, n)
+            return bool(check())
+
+        return probe
+
+    deadline = 60 + len(ids) / 50
+    empty = polled("llen", 1, lambda: not client.llen(queue_key))
+    wait_for(empty, deadline, "the queue to drain", interval_s=0.05)
+    wait_for(polled("hget", len(ids), lambda: done(ids)), 30, "the last tasks", interval_s=0.02)
     wall = time.monotonic() - t0
     stats = counting.net(cmdstats.read(client))
     for proc in procs:
@@ -418,7 +427,8 @@ def _throughput_section(report: Report, data: dict[str, Any]) -> None:
             "took tasks was running (on 1 worker: its first start to its last). gpulane runs "
             "with leases, heartbeats and metrics on (defaults: 1 s heartbeat, 3 s lease). "
             "Plain RQ: SimpleWorker. Celery (peers venv): solo pool, prefetch 1, acks late, "
-            "Redis broker and results. Workers that took tasks / tasks in that span, 1 then "
+            "Redis broker and results. Workers timed (a worker that began a single task is "
+            "left out) / tasks in that span, 1 then "
             "4 workers: "
             + "; ".join(
                 f"{NAMES[name]} {data['sat1'][name]['workers_seen']}/"
