@@ -257,3 +257,24 @@ def test_options_reach_lua_unbounded_and_past_64_bits(r: redis.Redis) -> None:
         opts,
     )
     assert got == [b"true", b"true"]
+
+
+def test_each_script_carries_exactly_the_key_builders_it_calls() -> None:
+    import re
+
+    from dispatcher.contract.scripts import NAMES, source
+
+    definition = re.compile(r"^(?:function K\.(\w+)\(|K\.(\w+) = ')", re.MULTILINE)
+    carried_by = {}
+    for name in NAMES:
+        text = source(name)
+        defined = {a or b for a, b in definition.findall(text)}
+        code = "\n".join(
+            line.split("--", 1)[0] for line in text.splitlines() if not definition.match(line)
+        )
+        called = set(re.findall(r"\bK\.(\w+)", code))
+        assert called <= defined, (name, called - defined)  # a nil builder fails at run time
+        assert defined <= called, (name, defined - called)
+        carried_by[name] = defined
+    assert "job" in carried_by["finish"]
+    assert "rq_worker_executions" not in carried_by["get"]  # a read carries no registry keys

@@ -332,13 +332,13 @@ def catalog_publisher(digest: str, group: str) -> str:
     return _build("catalog_publisher", digest, group)
 
 
-def lua_prelude(used: Collection[str] | None = None) -> str:
-    """Lua table ``K`` with the same key builders, prepended to every script: those in
-    ``used`` (None: all). Redis runs a script's whole text on every call, so a script
+def lua_prelude(used: Collection[str]) -> str:
+    """Lua table ``K`` with the key builders (and constant keys) named in ``used``,
+    prepended to a script. Redis runs a script's whole text on every call, so a script
     carries only the builders it names."""
     lines = ["local K = {}"]
     for name, (prefix, args, suffix) in _TEMPLATES.items():
-        if used is not None and name not in used:
+        if name not in used:
             continue
         body = " .. ':' .. ".join(args) + (f" .. '{suffix}'" if suffix else "")
         lines.append(f"function K.{name}({', '.join(args)}) return '{prefix}' .. {body} end")
@@ -353,6 +353,6 @@ def lua_prelude(used: Collection[str] | None = None) -> str:
         ("EVENTS", EVENTS),
         ("USAGE_MINUTES", USAGE_MINUTES),
     ):
-        if used is None or name in used:
+        if name in used:
             lines.append(f"K.{name} = '{value}'")
     return "\n".join(lines) + "\n"
