@@ -75,6 +75,12 @@ class Proc:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def check(self) -> None:
+        """Fail the run with the process' log when it has exited (a wait on something it
+        should do would otherwise run to its deadline, or forever)."""
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
+
     def terminate(self) -> None:
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
@@ -216,8 +222,7 @@ class Stack:
         client = self.client()
 
         def check() -> bool:
-            if not proc.alive():
-                raise RuntimeError(f"worker {proc.name} exited:\n{proc.tail()}")
+            proc.check()
             return ready(client)
 
         wait_for(check, timeout_s, f"worker {proc.name} {what}")
@@ -263,8 +268,7 @@ class Stack:
 
 
 def _http_ok(proc: Proc, url: str) -> bool:
-    if not proc.alive():
-        raise RuntimeError(f"the API exited:\n{proc.tail()}")
+    proc.check()
     return http_ok(url)
 
 

@@ -102,8 +102,7 @@ def _reference(stack: Stack, label: str, args: list[str], size: Size) -> dict[st
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
-        if not proc.alive():
-            raise RuntimeError(f"{label} exited:\n{proc.tail()}")
+        proc.check()
         try:
             return httpx.post(f"{url}/tasks", json=BODY, timeout=1).status_code == 202
         except httpx.HTTPError:

@@ -207,6 +207,22 @@ def window_rate(stamps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rate": rate, "workers_seen": len(spans), "window_tasks": len(inside)}
 
 
+def _running(procs: list[Proc]) -> bool:
+    """True; a worker that exited (died booting, say) fails the run with its log
+    instead of leaving a wait to run to its deadline."""
+    for proc in procs:
+        proc.check()
+    return True
+
+
+def _stop(procs: list[Proc]) -> None:
+    """SIGTERM them all first: the workers wind down together, not one by one."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop()
+
+
 def _saturate(
     client: redis.Redis, queue_key: str, fill: Any, start: Any, done: Any, results: Any
 ) -> dict[str, Any]:
@@ -218,24 +234,19 @@ def _saturate(
     ids = fill()
     procs: list[Proc] = start()
 
-    def polled(what: str, n: int, check: Any) -> Any:
-        def probe() -> bool:
-            for proc in procs:  # a worker that died booting fails the run, not hangs it
-                if not proc.alive():
-                    raise RuntimeError(f"worker {proc.name} exited:\n{proc.tail()}")
-            counting.add(what, n)
-            return bool(check())
+    def drained() -> bool:
+        counting.add("llen")
+        return _running(procs) and not client.llen(queue_key)
 
-        return probe
+    def finished() -> bool:
+        counting.add("hget", len(ids))
+        return _running(procs) and bool(done(ids))
 
-    deadline = 60 + len(ids) / 50
-    empty = polled("llen", 1, lambda: not client.llen(queue_key))
-    wait_for(empty, deadline, "the queue to drain", interval_s=0.05)
-    wait_for(polled("hget", len(ids), lambda: done(ids)), 30, "the last tasks", interval_s=0.02)
+    wait_for(drained, 60 + len(ids) / 50, "the queue to drain", interval_s=0.05)
+    wait_for(finished, 30, "the last tasks", interval_s=0.02)
     wall = time.monotonic() - t0
     stats = counting.net(cmdstats.read(client))
-    for proc in procs:
-        proc.stop()
+    _stop(procs)
     return {"n": len(ids), "stats": stats, "wall_s": wall, **window_rate(results(ids))}
 
 
@@ -299,23 +310,17 @@ def celery_saturation(stack: Stack, n: int, workers: int) -> dict[str, Any]:
         for i in range(workers)
     ]
 
-    def running() -> bool:
-        for proc in procs:
-            if not proc.alive():
-                raise RuntimeError(f"celery worker {proc.name} exited:\n{proc.tail()}")
-        return True
-
     def drained() -> bool:
-        return running() and not client.llen(celery_tasks.QUEUE)
+        return _running(procs) and not client.llen(celery_tasks.QUEUE)
 
     wait_for(drained, 60 + n / 50, "the Celery queue to drain", interval_s=0.05)
     stamps = wait_for(
-        lambda: running() and _celery_stamps(client, ids), 30, "Celery's results", interval_s=0.05
+        lambda: _running(procs) and _celery_stamps(client, ids),
+        30,
+        "Celery's results",
+        interval_s=0.05,
     )
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        proc.stop()
+    _stop(procs)
     return {"n": n, **window_rate(stamps)}
 
 
@@ -357,8 +362,7 @@ def measure(size: Size) -> dict[str, Any]:
             "gpulane": background_rate(sys_.gl_client, size.background_s),
             "rq": background_rate(sys_.rq_client, size.background_s),
         }
-        for proc in sys_.workers:  # every system's saturation workers start on a full queue
-            proc.stop()
+        _stop(sys_.workers)  # every system's saturation workers start on a full queue
         data["sat1"] = saturation(sys_, size.tasks_1, 1)
         if celery is not None:
             data["sat1"]["celery"] = celery_saturation(celery, size.tasks_1, 1)
