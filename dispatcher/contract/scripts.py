@@ -3,8 +3,10 @@
 Each script's text is the key builders from :mod:`dispatcher.contract.keys` and the
 final statuses from :mod:`dispatcher.contract.jobs`, then the helper libraries it uses
 (:mod:`dispatcher.contract.lualib`), then the script. Every multi-key change gpulane
-makes goes through one of them, so it is atomic. Calls use ``EVALSHA``; redis-py reloads a script by
-itself after ``NOSCRIPT`` (a restarted or flushed Redis).
+makes goes through one of them, so it is atomic. Calls use ``EVALSHA``; a script Redis
+lost (``NOSCRIPT``: restarted, flushed, failed over) is loaded again and the call sent
+again, by redis-py for single calls and by :meth:`SyncScripts.run_many` for a worker's
+round trips.
 
 Options travel as one JSON object in ``ARGV[1]`` (readable Lua, no positional soup);
 binary payloads (call data, files, results) follow as raw arguments.
@@ -22,15 +24,17 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any, Literal, cast
 
+from hiredis import pack_command
 from redis import Redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from dispatcher.contract import jobs, keys, lualib, parts
 
@@ -156,6 +160,7 @@ class SyncScripts:
 
     client: Redis
     _bound: dict[str, Script] = field(default_factory=dict)
+    _held: threading.local = field(default_factory=threading.local)
 
     def __post_init__(self) -> None:
         for name in NAMES:
@@ -174,34 +179,84 @@ class SyncScripts:
         error) is its exception in the list, the others' replies unaffected; a lost
         connection raises. With ``wait`` = (replicas, timeout ms) a ``WAIT`` ends the
         round trip, and its reply (how many replicas hold every write before it) ends
-        the list.
+        the list. A lost connection is not retried here (:func:`_exchange`).
 
-        ``EVALSHA`` goes straight into the pipeline: redis-py's Script objects would
+        ``EVALSHA`` goes straight into the round trip: redis-py's Script objects would
         add a ``SCRIPT EXISTS`` round trip to every pipeline. A script Redis lost (a
-        restart, a flush) answers ``NOSCRIPT`` without running; it is loaded and only
-        those calls are sent again."""
+        restart, a flush, a failover to a replica that never ran it) answers
+        ``NOSCRIPT`` without running; it is loaded and only those calls are sent again."""
         replies = self._send(calls, wait)
         lost = [
             k for k, reply in enumerate(replies[: len(calls)]) if isinstance(reply, NoScriptError)
         ]
         if not lost:
             return replies
-        for name in {calls[k][0] for k in lost}:
-            self.client.script_load(self._bound[name].script)
-        again = self._send([calls[k] for k in lost], wait)
+        # Loaded in the round trip that sends them again, on the same connection: after
+        # a failover another connection of the pool may reach another server.
+        names = sorted({calls[k][0] for k in lost})
+        loads = [("SCRIPT", "LOAD", self._bound[name].script) for name in names]
+        sent = self._send([calls[k] for k in lost], wait, loads)
+        loaded, again = dict(zip(names, sent, strict=False)), sent[len(loads) :]
         for k, reply in zip(lost, again, strict=False):  # WAIT's reply, if any, comes last
-            replies[k] = reply
+            failed = loaded[calls[k][0]]  # a script Redis would not load: that error
+            replies[k] = failed if isinstance(failed, ResponseError) else reply
         if wait is not None:
             replies[-1] = _fewer_acks(replies[-1], again[-1])
         return replies
 
     def _send(
-        self, calls: Sequence[tuple[str, Sequence[bytes | str]]], wait: tuple[int, int] | None
+        self,
+        calls: Sequence[tuple[str, Sequence[bytes | str]]],
+        wait: tuple[int, int] | None,
+        before: Sequence[tuple[Any, ...]] = (),
     ) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for name, argv in calls:
-            pipe.execute_command("EVALSHA", self._bound[name].sha, 0, *argv)  # type: ignore[no-untyped-call]
+        """One round trip: the ``before`` commands, the calls, the ``WAIT``; every reply."""
+        commands: list[tuple[Any, ...]] = [*before]
+        commands += [("EVALSHA", self._bound[name].sha, 0, *argv) for name, argv in calls]
         if wait is not None:
-            pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        return replies
+            commands.append(("WAIT", *wait))
+        return _exchange(self._connection(), commands)
+
+    def _connection(self) -> Any:
+        """This thread's connection for :meth:`run_many`, taken from the client's pool
+        once and kept (the loop and the heartbeat each have one): the pool's checkout
+        and return cost a fifth of a round trip's CPU. It stays the pool's (closing the
+        client closes it) and reconnects by itself after a loss, through Sentinel
+        when the client has one."""
+        conn = getattr(self._held, "conn", None)
+        if conn is None:
+            conn = self._held.conn = self.client.connection_pool.get_connection()
+        return conn
+
+
+def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """One round trip of ``commands`` on ``conn``: each reply, or the error Redis
+    answered it with; a lost connection (or a timeout) raises, the connection dropped.
+
+    Never retried here, unlike redis-py's Pipeline (which sends the whole round trip
+    again, up to its client's retry count): a reply lost to a timeout may belong to a
+    script that ran, and only the caller knows what asking again means (a claim asks
+    with ``redeliver``, or it would take a second task and strand the first; a report
+    is sent again and finish.lua answers ``duplicate``).
+
+    Packed by hiredis in one C call per command (the arguments are str, bytes and
+    int): redis-py's packer checks and encodes each argument in Python first. With
+    the Pipeline's per-call bookkeeping gone too, a worker's round trip of two
+    scripts costs about a third less CPU."""
+    packed = b"".join([pack_command(command) for command in commands])
+    replies: list[Any] = []
+    try:
+        # Reconnect here, not in the send: a connection reconnecting on a send goes
+        # back to the address it had, where connect() asks Sentinel for the master now.
+        conn.connect()
+        conn.send_packed_command([packed])
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+    except BaseException:
+        # Replies may still be on the socket: never use it again as it is.
+        conn.disconnect()
+        raise
+    return replies
