@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
+from worker.backend.client import Backend
+from worker.backend.loop import BackendLoop
 from worker.broker import Broker, Claimed
 from worker.execute import RunningTask, TaskHandback, TaskInterrupt
 from worker.handback import hand_back
@@ -162,3 +165,45 @@ def test_register_refuses_a_name_held_by_a_live_worker(
     state = WorkerState(NAME, None, settings.class_names, ["echo"])  # another instance
     assert other.register(state.info(), {}) is None
     assert r.zscore(keys.WORKERS, NAME) == lease  # the live worker's lease is untouched
+
+
+def test_claim_options_are_remembered_by_everything_they_depend_on(broker: Broker) -> None:
+    """A busy worker sends the same claim with every report: encoded once, and encoded
+    anew whenever an argument (or a backend's routed types, set after start) differs."""
+    first = broker.claim_options(False, '"cpu"', False, {"embed": 64}, 1000)
+    assert broker.claim_options(False, '"cpu"', False, {"embed": 64}, 1000) is first
+    assert json.loads(broker.claim_options(False, '"cpu"', False, {"embed": 64}, 900))["mem"] == 900
+    assert json.loads(broker.claim_options(False, '"cpu"', True, {"embed": 64}, 1000))["redeliver"]
+    assert json.loads(broker.claim_options(False, '"cpu"', False, {"embed": 8}, 1000))["batch"] == {
+        "embed": 8
+    }
+    assert "types" not in json.loads(first)
+    broker.types = ["llm.tiny"]
+    again = json.loads(broker.claim_options(False, '"cpu"', False, {"embed": 64}, 1000))
+    assert again["types"] == ["llm.tiny"]
+
+
+def test_a_backend_worker_runs_a_redelivered_task_once(
+    r: redis.Redis, settings: Settings, broker: Broker
+) -> None:
+    """A claim's lost reply is asked for again with redeliver, which hands back every
+    task the worker holds: a backend worker's other slots' tasks included. Those are
+    running already and must not start a second relay; a later attempt of one would."""
+    first, second = _submit(r, settings, 2)
+    running = [broker.claim(False, "{}")[0], broker.claim(False, "{}")[0]]
+    assert [c.task_id for c in running] == [first, second]
+    loop = BackendLoop(
+        broker,
+        Backend("http://127.0.0.1:9", None),
+        WorkerState(NAME, None, settings.class_names, ["echo"]),
+        Recorder(),
+        settings,
+        slots=4,
+    )
+    for claimed in running:  # both slots busy, as _start leaves them
+        loop._runs[claimed.task_id] = (None, SimpleNamespace(claimed=claimed))  # type: ignore[assignment]
+    redelivered = broker.claim(False, "{}", redeliver=True)
+    assert sorted(c.task_id for c in redelivered) == sorted([first, second])
+    assert [c for c in redelivered if not loop._running(c)] == []
+    later = dataclasses.replace(redelivered[0], attempt=redelivered[0].attempt + 1)
+    assert not loop._running(later)

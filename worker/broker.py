@@ -67,6 +67,8 @@ class Report:
     entries: int = 0  # a part's: the entries its result holds
 
 
+_CLAIMS_KEPT = 64  # claim options remembered (they vary with the GPU memory free)
+
 # finish.lua's answer: ('ok', the Redis time it ended at) or (why not, None).
 Finished = tuple[FinishVerdict, int | None]
 
@@ -136,6 +138,7 @@ class Broker:
         # Doorbell order among parked workers: lower rings first (claim.lua's park score).
         self._rank = round(1000 / settings.worker_speed)
         self._by_time = settings.fair_share_by == FairCost.DEVICE_TIME
+        self._claims: dict[tuple[Any, ...], str] = {}  # claim options by their arguments
 
     def _rq_view(self, info: dict[str, str], current: RqCurrent | None) -> dict[str, Any]:
         """The worker as RQ's worker registry shows it (``rq info``, rq-dashboard)."""
@@ -213,15 +216,25 @@ class Broker:
         batch: dict[str, int] | None = None,
         mem_mb: int | None = None,
     ) -> str:
-        """:meth:`claim`'s script options, for a claim sent with the last report."""
-        return self._claim_options(
-            device_json,
-            mem_mb,
-            was_idle=was_idle,
-            redeliver=redeliver,
-            batch=batch or {},
-            rank=self._rank,
-        )
+        """:meth:`claim`'s script options, for a claim sent with the last report.
+
+        Remembered by their arguments: a busy worker sends the same claim with every
+        report, and encoding it was a fortieth of its CPU per no-op task."""
+        types = None if self.types is None else tuple(self.types)  # a backend's, set late
+        key = (was_idle, device_json, redeliver, mem_mb, tuple((batch or {}).items()), types)
+        opts = self._claims.get(key)
+        if opts is None:
+            if len(self._claims) >= _CLAIMS_KEPT:  # free GPU memory moves: start over
+                self._claims.clear()
+            opts = self._claims[key] = self._claim_options(
+                device_json,
+                mem_mb,
+                was_idle=was_idle,
+                redeliver=redeliver,
+                batch=batch or {},
+                rank=self._rank,
+            )
+        return opts
 
     def claim_more(
         self, cls: str, task_type: str, n: int, device_json: str, mem_mb: int | None = None

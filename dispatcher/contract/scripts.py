@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -34,7 +35,7 @@ from typing import Any, Literal, cast
 from hiredis import pack_command
 from redis import Redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from dispatcher.contract import jobs, keys, lualib, parts
 
@@ -219,14 +220,40 @@ class SyncScripts:
 
     def _connection(self) -> Any:
         """This thread's connection for :meth:`run_many`, taken from the client's pool
-        once and kept (the loop and the heartbeat each have one): the pool's checkout
-        and return cost a fifth of a round trip's CPU. It stays the pool's (closing the
-        client closes it) and reconnects by itself after a loss, through Sentinel
-        when the client has one."""
-        conn = getattr(self._held, "conn", None)
-        if conn is None:
-            conn = self._held.conn = self.client.connection_pool.get_connection()
-        return conn
+        once and kept while the thread lives (the pool's checkout and return cost a
+        fifth of a round trip's CPU), then given back. It stays the pool's: closing
+        the client closes it."""
+        held = getattr(self._held, "it", None)
+        if held is None:
+            pool = self.client.connection_pool
+            held = self._held.it = _Held(pool.get_connection())
+            # A thread that ends (an executor's) gives its connection back with it.
+            weakref.finalize(held, pool.release, held.conn)
+        return held.conn
+
+
+@dataclass
+class _Held:
+    """A thread's connection (a holder, so its end can be watched: a thread-local
+    value goes when its thread does)."""
+
+    conn: Any
+
+
+def _ready(conn: Any) -> None:
+    """Connect ``conn`` if it is not, as the pool does at each checkout: a connection
+    the server closed while it sat idle (a restart, Redis' ``timeout``, a proxy) reads
+    as end of file, and is opened again before anything is sent, so nothing is in
+    doubt. Connecting asks Sentinel for the master, when the client has Sentinels (a
+    connection reconnecting inside its send would go back to the address it had)."""
+    conn.connect()
+    try:
+        stale = conn.can_read()  # nothing is owed to an idle connection
+    except (ConnectionError, TimeoutError, OSError):
+        stale = True
+    if stale:
+        conn.disconnect()
+        conn.connect()
 
 
 def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -234,21 +261,20 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     answered it with; a lost connection (or a timeout) raises, the connection dropped.
 
     Never retried here, unlike redis-py's Pipeline (which sends the whole round trip
-    again, up to its client's retry count): a reply lost to a timeout may belong to a
-    script that ran, and only the caller knows what asking again means (a claim asks
-    with ``redeliver``, or it would take a second task and strand the first; a report
-    is sent again and finish.lua answers ``duplicate``).
+    again on a lost connection, up to its client's retry count): a reply lost to a
+    reset or a timeout may belong to a script that ran, and only the caller knows what
+    asking again means (a claim asks with ``redeliver``, or it would take a second
+    task and strand the first; a report is sent again, answered ``duplicate``).
 
     Packed by hiredis in one C call per command (the arguments are str, bytes and
     int): redis-py's packer checks and encodes each argument in Python first. With
-    the Pipeline's per-call bookkeeping gone too, a worker's round trip of two
-    scripts costs about a third less CPU."""
+    the Pipeline's per-call bookkeeping and the pool's checkout gone too, a worker's
+    round trip of two scripts costs half the client CPU it did (about 45 us against
+    95 on the 2-core machine of ``bench/results``)."""
     packed = b"".join([pack_command(command) for command in commands])
     replies: list[Any] = []
+    _ready(conn)
     try:
-        # Reconnect here, not in the send: a connection reconnecting on a send goes
-        # back to the address it had, where connect() asks Sentinel for the master now.
-        conn.connect()
         conn.send_packed_command([packed])
         for _ in commands:
             try:

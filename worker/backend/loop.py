@@ -119,7 +119,8 @@ class BackendLoop:
             if claims:
                 was_idle = False
                 for claimed in claims:
-                    self._start(claimed)
+                    if not self._running(claimed):
+                        self._start(claimed)
 
     def _claim_now(self, was_idle: bool, doorbell_s: float | None) -> list[Claimed] | None:
         """(On a thread.) One claim; with ``doorbell_s``, only once the doorbell rang
@@ -167,6 +168,12 @@ class BackendLoop:
             if claims is not None:
                 return claims
         return None
+
+    def _running(self, claimed: Claimed) -> bool:
+        """Whether a slot already runs this attempt: a redelivery (after a claim's lost
+        reply) hands back every task the worker holds, the other slots' included."""
+        run = self._runs.get(claimed.task_id)
+        return run is not None and run[1].claimed.attempt == claimed.attempt
 
     def _start(self, claimed: Claimed) -> None:
         writer = StreamWriter(
