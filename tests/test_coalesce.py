@@ -4,12 +4,16 @@ delivered to every caller."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from conftest import make_settings
+from redis.asyncio.connection import Connection as AsyncConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from dispatcher.api.coalesce import Coalescer
+from dispatcher.contract.connect import async_client
 
 ECHO = "return ARGV[1]"
 
@@ -75,3 +79,38 @@ def test_script_errors_stay_with_their_call(redis_url: str) -> None:
     assert ok == b"ok" and fine == b"fine"
     with pytest.raises(Exception, match="nope"):
         raise bad  # type: ignore[misc]
+
+
+def test_a_reply_lost_after_the_script_ran_is_not_sent_again(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reset that takes a submit's reply after submit.lua ran must not run it again
+    (the same ids queued twice, the class's counters doubled): on the client the API
+    builds, the caller gets the error (the API answers 503, the client retries with its
+    Idempotency-Key)."""
+    read = AsyncConnection.read_response
+    lost: list[Any] = []
+
+    async def reply_lost(self: AsyncConnection, *args: Any, **kwargs: Any) -> Any:
+        reply = await read(self, *args, **kwargs)
+        if reply == 1 and not lost:  # INCR's first reply: it ran, the reply is lost
+            lost.append(reply)
+            raise RedisConnectionError("Connection reset by peer")
+        return reply
+
+    async def run() -> tuple[BaseException | Any, Any]:
+        client = async_client(make_settings(redis_url), socket_timeout=5, connect_timeout=3)
+        coalescer = Coalescer(client, "return redis.call('INCR', 'runs')")
+        monkeypatch.setattr(AsyncConnection, "read_response", reply_lost)
+        try:
+            first = await coalescer.call()
+        except RedisConnectionError as exc:
+            first = exc
+        monkeypatch.undo()
+        runs = await client.get("runs")
+        await client.aclose()
+        return first, runs
+
+    first, runs = asyncio.run(run())
+    assert isinstance(first, RedisConnectionError), first
+    assert runs == b"1"  # ran once

@@ -3,12 +3,13 @@ Sentinels names (``redis_sentinels``), followed across a failover.
 
 With Sentinel, redis-py's managed pool asks the sentinels for the master at every new
 connection and treats a ``READONLY`` reply from a demoted master as a lost connection,
-so the next attempt reaches the promoted replica. Commands keep redis-py's default
-retries on connection errors and timeouts, except a worker's script round trips
-(:func:`dispatcher.contract.scripts._exchange`: a lost reply may belong to a script
-that ran); beyond those, an outage reaches the caller
-as a ``RedisError`` and each caller's own policy applies (workers back off and retry
-within their lease, the API answers ``503 store_unavailable``). :data:`OUTAGE` and
+so the next attempt reaches the promoted replica. Clients built here (``from_url``,
+``master_for``) retry nothing themselves: a reply lost to a reset or a timeout may
+belong to a script that ran, so an outage reaches the caller as a ``RedisError`` at
+once and each caller's own policy applies (workers back off and retry within their
+lease, a claim with ``redeliver``; the API answers ``503 store_unavailable``). A
+worker's script round trips (:func:`dispatcher.contract.scripts._exchange`) never
+re-send, whatever client they are given. :data:`OUTAGE` and
 :func:`refused` tell such an outage from a command Redis refused (a script error).
 """
 

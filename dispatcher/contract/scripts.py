@@ -260,11 +260,13 @@ def _exchange(conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """One round trip of ``commands`` on ``conn``: each reply, or the error Redis
     answered it with; a lost connection (or a timeout) raises, the connection dropped.
 
-    Never retried here, unlike redis-py's Pipeline (which sends the whole round trip
-    again on a lost connection, up to its client's retry count): a reply lost to a
-    reset or a timeout may belong to a script that ran, and only the caller knows what
-    asking again means (a claim asks with ``redeliver``, or it would take a second
-    task and strand the first; a report is sent again, answered ``duplicate``).
+    Never re-sent here, whatever retries the client was built with (redis-py's
+    Pipeline sends the whole round trip again up to its client's retry count: none
+    for the clients of :mod:`dispatcher.contract.connect`, ten for a plain
+    ``Redis(host=...)``): a reply lost to a reset or a timeout may belong to a script
+    that ran, and only the caller knows what asking again means (a claim asks with
+    ``redeliver``, or it would take a second task and strand the first; a report is
+    sent again, answered ``duplicate``).
 
     Packed by hiredis in one C call per command (the arguments are str, bytes and
     int): redis-py's packer checks and encodes each argument in Python first. With
