@@ -4,6 +4,7 @@ the project's Lua scripts faithfully, and these paths are all scripts)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -187,11 +188,18 @@ def test_a_backend_worker_runs_a_redelivered_task_once(
     r: redis.Redis, settings: Settings, broker: Broker
 ) -> None:
     """A claim's lost reply is asked for again with redeliver, which hands back every
-    task the worker holds: a backend worker's other slots' tasks included. Those are
-    running already and must not start a second relay; a later attempt of one would."""
-    first, second = _submit(r, settings, 2)
+    task the worker holds, of every class: a backend worker's other slots' tasks
+    included. Those run (or just ran) already and must not start a second relay; a
+    later attempt of one would."""
+    scripts = SyncScripts(r)
+    ids = []
+    for cls in ("batch", "interactive"):
+        sub = Submission("echo", cls, {}, timeout_s=60, tenant="t")
+        opts = submit_options(sub, settings.classes[cls], 1, 1.0, settings)
+        ids.append(bytes(scripts.run("submit", opts, encode_call("echo", {}), "")[1]).decode())
+    batch, interactive = ids
     running = [broker.claim(False, "{}")[0], broker.claim(False, "{}")[0]]
-    assert [c.task_id for c in running] == [first, second]
+    assert [c.task_id for c in running] == [interactive, batch]  # two slots, two classes
     loop = BackendLoop(
         broker,
         Backend("http://127.0.0.1:9", None),
@@ -200,10 +208,18 @@ def test_a_backend_worker_runs_a_redelivered_task_once(
         settings,
         slots=4,
     )
+    relays = {c.task_id: SimpleNamespace(claimed=c) for c in running}
     for claimed in running:  # both slots busy, as _start leaves them
-        loop._runs[claimed.task_id] = (None, SimpleNamespace(claimed=claimed))  # type: ignore[assignment]
+        loop._runs[claimed.task_id] = (None, relays[claimed.task_id])  # type: ignore[assignment]
     redelivered = broker.claim(False, "{}", redeliver=True)
-    assert sorted(c.task_id for c in redelivered) == sorted([first, second])
-    assert [c for c in redelivered if not loop._running(c)] == []
+    assert sorted(c.task_id for c in redelivered) == sorted(ids)  # both classes' tasks
+    assert [c for c in redelivered if loop._running(c)] == redelivered
     later = dataclasses.replace(redelivered[0], attempt=redelivered[0].attempt + 1)
     assert not loop._running(later)
+    # A run that ended while a redelivery's reply was on the way is not started again,
+    # until a claim from the queues (which cannot hand it back) comes.
+    ended = running[0]
+    loop._free(ended, relays[ended.task_id])  # type: ignore[arg-type]
+    assert ended.task_id not in loop._runs and loop._running(ended)
+    assert asyncio.run(loop._claim(False)) == []  # nothing queued
+    assert not loop._running(ended)

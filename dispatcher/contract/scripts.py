@@ -23,6 +23,7 @@ dead ones or lock every tenant out of the read routes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import weakref
@@ -224,10 +225,12 @@ class SyncScripts:
         fifth of a round trip's CPU), then given back. It stays the pool's: closing
         the client closes it."""
         held = getattr(self._held, "it", None)
-        if held is None:
+        if held is None or held.pid != os.getpid():  # a forked child opens its own
             pool = self.client.connection_pool
-            held = self._held.it = _Held(pool.get_connection())
-            # A thread that ends (an executor's) gives its connection back with it.
+            held = self._held.it = _Held(pool.get_connection(), os.getpid())
+            # A thread that ends gives its connection back with it (an in-process
+            # worker's two threads live as long as it does; a backend worker's
+            # executor threads, up to the executor's size, as long as the executor).
             weakref.finalize(held, pool.release, held.conn)
         return held.conn
 
@@ -238,6 +241,7 @@ class _Held:
     value goes when its thread does)."""
 
     conn: Any
+    pid: int  # the process that took it
 
 
 def _ready(conn: Any) -> None:

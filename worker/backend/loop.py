@@ -66,6 +66,9 @@ class BackendLoop:
         self.slots = slots
         self.current: RunningTask | None = None  # RunControl: no run is driven by interrupts
         self._runs: dict[str, tuple[asyncio.Task[None], Relay]] = {}
+        # Runs that ended since the last claim that was not a redelivery: a redelivery's
+        # snapshot may hold one whose report landed while its reply was on the way.
+        self._ended: set[tuple[str, int]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down: str | None = None  # why the server is taken to be down
         self._probe_now = asyncio.Event()
@@ -152,6 +155,8 @@ class BackendLoop:
                 log.warning("redis unavailable, retrying: %s", exc, extra=self._who)
             await asyncio.sleep(self._backoff.next())
             return None
+        if not self._redeliver:  # a claim from the queues hands back no run that ended
+            self._ended.clear()
         self._redeliver = False
         self._backoff.reset()
         return claims
@@ -170,8 +175,10 @@ class BackendLoop:
         return None
 
     def _running(self, claimed: Claimed) -> bool:
-        """Whether a slot already runs this attempt: a redelivery (after a claim's lost
-        reply) hands back every task the worker holds, the other slots' included."""
+        """Whether a slot runs (or just ran) this attempt: a redelivery (after a claim's
+        lost reply) hands back every task the worker holds, the other slots' included."""
+        if (claimed.task_id, claimed.attempt) in self._ended:
+            return True
         run = self._runs.get(claimed.task_id)
         return run is not None and run[1].claimed.attempt == claimed.attempt
 
@@ -203,14 +210,18 @@ class BackendLoop:
                 self._probe_now.set()  # the connection broke: is the server gone?
             await asyncio.to_thread(self._report, claimed, outcome, relay)
         finally:
-            # Whatever happened, the slot is free again: a run left here would keep the
-            # worker busy and its slot taken for good. Only this run's entry: a later
-            # attempt of the same task may hold the id by now.
-            with self._lock:
-                if self._runs.get(claimed.task_id, (None, None))[1] is relay:
-                    del self._runs[claimed.task_id]
-            self._changed.set()
-            self._publish()
+            self._free(claimed, relay)
+
+    def _free(self, claimed: Claimed, relay: Relay) -> None:
+        """Whatever happened, the run's slot is free again: a run left here would keep
+        the worker busy and its slot taken for good. Only this run's entry: a later
+        attempt of the same task may hold the id by now."""
+        with self._lock:
+            if self._runs.get(claimed.task_id, (None, None))[1] is relay:
+                del self._runs[claimed.task_id]
+        self._ended.add((claimed.task_id, claimed.attempt))
+        self._changed.set()
+        self._publish()
 
     def _report(self, claimed: Claimed, outcome: Outcome, relay: Relay) -> None:
         """Record the outcome (on a thread: the Reporter waits out Redis outages), settle

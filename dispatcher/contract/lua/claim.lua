@@ -293,19 +293,20 @@ end
 
 -- The reply to an earlier claim was lost (a timeout or a reset connection): the task it
 -- took is in our in-flight list, started by us. Hand it over again, not another one,
--- or it would stay 'started' until this worker exits.
--- A batch is redelivered whole.
+-- or it would stay 'started' until this worker exits. Every class's: a backend worker's
+-- other slots may hold tasks of another class than the lost claim's (it starts only
+-- those it does not run). A batch is redelivered whole.
 if o.redeliver then
+  local out = {}
   for _, c in ipairs(o.classes) do
-    local out = {}
     for _, id in ipairs(redis.call('LRANGE', K.inflight(w, c), 0, -1)) do
       local f = read(id, RUN_FIELDS)
       if f.status == 'started' and f.worker_name == w then
         out[#out + 1] = handed(id, c, f, tonumber(f.attempts), tonumber(f.started_ms))
       end
     end
-    if #out > 0 then return out end
   end
+  if #out > 0 then return out end
 end
 
 for i, c in ipairs(o.classes) do
