@@ -5,13 +5,16 @@ closed while it sat idle is opened again before anything is sent."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import Connection
+from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 from support.lua import SETTINGS, register, submit
 
@@ -21,6 +24,10 @@ from testkit import RedisServer, wait_for
 from worker.broker import Broker
 
 NAME = "rt-worker"
+_NO_SUCH_TASK = json.dumps(
+    {"id": "none", "worker": NAME, "class": "batch", "attempt": 1, "status": "finished"}
+    | {"error": "", "progress": "", "ttl_s": 60}
+)
 
 
 @pytest.fixture
@@ -101,3 +108,32 @@ def test_a_thread_that_ends_gives_its_connection_back(private_redis: RedisServer
         thread.join()
     named = [c for c in r.client_list() if c["name"] == "held-by-threads"]
     assert len(named) == 1, named  # one connection, not one per thread that ever ran
+
+
+def test_a_lost_script_is_loaded_and_sent_again_in_one_round_trip(
+    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After NOSCRIPT (a restart, a flush, a promoted replica) the scripts are loaded in
+    the packet that sends the lost calls again, on the same connection; a script Redis
+    will not load answers its calls with that error; WAIT's reply still ends the list."""
+    held = redis.Redis.from_url(redis_url)
+    scripts = SyncScripts(held)
+    report = ("finish", (_NO_SUCH_TASK, ""))
+    assert scripts.run_many([report], wait=(0, 10)) == [[b"gone"], 0]  # loaded, no replicas
+    r.script_flush()
+    packets: list[bytes] = []
+    send = Connection.send_packed_command
+
+    def recorded(self: Connection, command: Any, check_health: bool = True) -> None:
+        packets.append(b"".join(command))
+        send(self, command, check_health)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(Connection, "send_packed_command", recorded)
+    scripts._bound["broken"] = held.register_script("this is not lua")
+    replies = scripts.run_many([report, ("broken", ("{}",)), report], wait=(0, 10))
+    assert len(packets) == 2  # the calls, then the loads with the lost calls again
+    assert packets[1].count(b"SCRIPT") == 2 and packets[1].count(b"EVALSHA") == 3
+    assert replies[0] == replies[2] == [b"gone"]
+    assert isinstance(replies[1], ResponseError) and not isinstance(replies[1], NoScriptError)
+    assert replies[3] == 0  # WAIT's
+    held.close()
