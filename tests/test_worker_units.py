@@ -4,11 +4,9 @@ the project's Lua scripts faithfully, and these paths are all scripts)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,8 +20,6 @@ from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
-from worker.backend.client import Backend
-from worker.backend.loop import BackendLoop
 from worker.broker import Broker, Claimed
 from worker.execute import RunningTask, TaskHandback, TaskInterrupt
 from worker.handback import hand_back
@@ -184,13 +180,13 @@ def test_claim_options_are_remembered_by_everything_they_depend_on(broker: Broke
     assert again["types"] == ["llm.tiny"]
 
 
-def test_a_backend_worker_runs_a_redelivered_task_once(
+def test_a_redelivery_hands_back_every_class_but_the_attempts_running(
     r: redis.Redis, settings: Settings, broker: Broker
 ) -> None:
-    """A claim's lost reply is asked for again with redeliver, which hands back every
-    task the worker holds, of every class: a backend worker's other slots' tasks
-    included. Those run (or just ran) already and must not start a second relay; a
-    later attempt of one would."""
+    """A claim's lost reply is asked for again with redeliver: every task the worker
+    holds comes back, of every class, but the attempts it says it runs (a backend
+    worker's other slots): those must not start a second relay. A later attempt of one
+    still comes back."""
     scripts = SyncScripts(r)
     ids = []
     for cls in ("batch", "interactive"):
@@ -198,28 +194,14 @@ def test_a_backend_worker_runs_a_redelivered_task_once(
         opts = submit_options(sub, settings.classes[cls], 1, 1.0, settings)
         ids.append(bytes(scripts.run("submit", opts, encode_call("echo", {}), "")[1]).decode())
     batch, interactive = ids
-    running = [broker.claim(False, "{}")[0], broker.claim(False, "{}")[0]]
-    assert [c.task_id for c in running] == [interactive, batch]  # two slots, two classes
-    loop = BackendLoop(
-        broker,
-        Backend("http://127.0.0.1:9", None),
-        WorkerState(NAME, None, settings.class_names, ["echo"]),
-        Recorder(),
-        settings,
-        slots=4,
-    )
-    relays = {c.task_id: SimpleNamespace(claimed=c) for c in running}
-    for claimed in running:  # both slots busy, as _start leaves them
-        loop._runs[claimed.task_id] = (None, relays[claimed.task_id])  # type: ignore[assignment]
-    redelivered = broker.claim(False, "{}", redeliver=True)
-    assert sorted(c.task_id for c in redelivered) == sorted(ids)  # both classes' tasks
-    assert [c for c in redelivered if loop._running(c)] == redelivered
-    later = dataclasses.replace(redelivered[0], attempt=redelivered[0].attempt + 1)
-    assert not loop._running(later)
-    # A run that ended while a redelivery's reply was on the way is not started again,
-    # until a claim from the queues (which cannot hand it back) comes.
-    ended = running[0]
-    loop._free(ended, relays[ended.task_id])  # type: ignore[arg-type]
-    assert ended.task_id not in loop._runs and loop._running(ended)
-    assert asyncio.run(loop._claim(False)) == []  # nothing queued
-    assert not loop._running(ended)
+    slot = broker.claim(False, "{}")[0]  # a slot runs the interactive task...
+    assert slot.task_id == interactive
+    assert broker.claim(False, "{}")[0].task_id == batch  # ...and this reply was lost
+    running = {interactive: slot.attempt}
+
+    def redelivered(running: dict[str, int] | None) -> list[str]:
+        return sorted(c.task_id for c in broker.claim(False, "{}", True, running=running))
+
+    assert redelivered(running) == [batch]
+    assert redelivered(None) == sorted(ids)  # an in-process worker runs nothing meanwhile
+    assert redelivered({interactive: slot.attempt + 1}) == sorted(ids)  # not that attempt

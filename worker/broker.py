@@ -198,13 +198,15 @@ class Broker:
         redeliver: bool = False,
         batch: dict[str, int] | None = None,
         mem_mb: int | None = None,
+        running: dict[str, int] | None = None,
     ) -> list[Claimed]:
         """The next task (or, for a type in ``batch`` {type: max size}, the next batch),
         moved into this worker's in-flight list; empty when there is none (the worker
         is parked). ``redeliver`` after a claim whose reply was lost returns what that
-        claim took. ``mem_mb``: GPU memory free for a task (None: no limit); tasks that
-        need more are left for other workers."""
-        opts = self.claim_options(was_idle, device_json, redeliver, batch, mem_mb)
+        claim took (every task it holds but the attempts in ``running``, {id: attempt},
+        which it runs already). ``mem_mb``: GPU memory free for a task (None: no limit);
+        tasks that need more are left for other workers."""
+        opts = self.claim_options(was_idle, device_json, redeliver, batch, mem_mb, running)
         reply = self._run_acked("claim", opts)
         return [self._claimed(task) for task in reply or []]
 
@@ -215,13 +217,15 @@ class Broker:
         redeliver: bool = False,
         batch: dict[str, int] | None = None,
         mem_mb: int | None = None,
+        running: dict[str, int] | None = None,
     ) -> str:
         """:meth:`claim`'s script options, for a claim sent with the last report.
 
         Remembered by their arguments: a busy worker sends the same claim with every
         report, and encoding it was a fortieth of its CPU per no-op task."""
         types = None if self.types is None else tuple(self.types)  # a backend's, set late
-        key = (was_idle, device_json, redeliver, mem_mb, tuple((batch or {}).items()), types)
+        runs = tuple((running or {}).items()) if redeliver else ()
+        key = (was_idle, device_json, redeliver, mem_mb, tuple((batch or {}).items()), types, runs)
         opts = self._claims.get(key)
         if opts is None:
             if len(self._claims) >= _CLAIMS_KEPT:  # free GPU memory moves: start over
@@ -233,6 +237,7 @@ class Broker:
                 redeliver=redeliver,
                 batch=batch or {},
                 rank=self._rank,
+                **({"running": dict(runs)} if runs else {}),
             )
         return opts
 

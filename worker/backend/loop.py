@@ -66,9 +66,6 @@ class BackendLoop:
         self.slots = slots
         self.current: RunningTask | None = None  # RunControl: no run is driven by interrupts
         self._runs: dict[str, tuple[asyncio.Task[None], Relay]] = {}
-        # Runs that ended since the last claim that was not a redelivery: a redelivery's
-        # snapshot may hold one whose report landed while its reply was on the way.
-        self._ended: set[tuple[str, int]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down: str | None = None  # why the server is taken to be down
         self._probe_now = asyncio.Event()
@@ -122,23 +119,30 @@ class BackendLoop:
             if claims:
                 was_idle = False
                 for claimed in claims:
-                    if not self._running(claimed):
-                        self._start(claimed)
+                    self._start(claimed)
 
-    def _claim_now(self, was_idle: bool, doorbell_s: float | None) -> list[Claimed] | None:
+    def _claim_now(
+        self, was_idle: bool, doorbell_s: float | None, running: dict[str, int]
+    ) -> list[Claimed] | None:
         """(On a thread.) One claim; with ``doorbell_s``, only once the doorbell rang
         within that long (None: it did not), in the same thread: a doorbell costs one
-        hop to a thread, not two."""
+        hop to a thread, not two. A redelivery leaves out the attempts in ``running``:
+        the other slots run them."""
         if doorbell_s is not None and not self.broker.wait_for_work(doorbell_s):
             return None
-        return self.broker.claim(was_idle, self._device, self._redeliver)
+        return self.broker.claim(was_idle, self._device, self._redeliver, running=running)
 
     async def _claim(self, was_idle: bool, doorbell_s: float | None = None) -> list[Claimed] | None:
         """What one claim took (empty: nothing queued, the worker is parked); None when
         the doorbell did not ring, or after waiting out a refusal or an outage
         (``redeliver`` then asks for what a claim whose reply was lost took)."""
         try:
-            claims = await asyncio.to_thread(self._claim_now, was_idle, doorbell_s)
+            running = (
+                {task_id: relay.claimed.attempt for task_id, (_, relay) in self._runs.items()}
+                if self._redeliver
+                else {}
+            )
+            claims = await asyncio.to_thread(self._claim_now, was_idle, doorbell_s, running)
             if claims is None:
                 return None
         except REFUSED_FOR_NOW as exc:
@@ -155,8 +159,6 @@ class BackendLoop:
                 log.warning("redis unavailable, retrying: %s", exc, extra=self._who)
             await asyncio.sleep(self._backoff.next())
             return None
-        if not self._redeliver:  # a claim from the queues hands back no run that ended
-            self._ended.clear()
         self._redeliver = False
         self._backoff.reset()
         return claims
@@ -173,14 +175,6 @@ class BackendLoop:
             if claims is not None:
                 return claims
         return None
-
-    def _running(self, claimed: Claimed) -> bool:
-        """Whether a slot runs (or just ran) this attempt: a redelivery (after a claim's
-        lost reply) hands back every task the worker holds, the other slots' included."""
-        if (claimed.task_id, claimed.attempt) in self._ended:
-            return True
-        run = self._runs.get(claimed.task_id)
-        return run is not None and run[1].claimed.attempt == claimed.attempt
 
     def _start(self, claimed: Claimed) -> None:
         writer = StreamWriter(
@@ -210,18 +204,14 @@ class BackendLoop:
                 self._probe_now.set()  # the connection broke: is the server gone?
             await asyncio.to_thread(self._report, claimed, outcome, relay)
         finally:
-            self._free(claimed, relay)
-
-    def _free(self, claimed: Claimed, relay: Relay) -> None:
-        """Whatever happened, the run's slot is free again: a run left here would keep
-        the worker busy and its slot taken for good. Only this run's entry: a later
-        attempt of the same task may hold the id by now."""
-        with self._lock:
-            if self._runs.get(claimed.task_id, (None, None))[1] is relay:
-                del self._runs[claimed.task_id]
-        self._ended.add((claimed.task_id, claimed.attempt))
-        self._changed.set()
-        self._publish()
+            # Whatever happened, the slot is free again: a run left here would keep the
+            # worker busy and its slot taken for good. Only this run's entry: a later
+            # attempt of the same task may hold the id by now.
+            with self._lock:
+                if self._runs.get(claimed.task_id, (None, None))[1] is relay:
+                    del self._runs[claimed.task_id]
+            self._changed.set()
+            self._publish()
 
     def _report(self, claimed: Claimed, outcome: Outcome, relay: Relay) -> None:
         """Record the outcome (on a thread: the Reporter waits out Redis outages), settle

@@ -25,7 +25,8 @@
 -- where a routed submit rings it. Other workers pass over routed records as over one
 -- too big for their card (the same SCAN).
 -- ARGV[1]: {worker, classes (priority order), aging {class: ms}, was_idle, device,
---           redeliver (the caller lost the reply of its last claim), batch, rank?, mem?,
+--           redeliver (the caller lost the reply of its last claim), running? ({id: attempt}
+--           the caller runs already: a redelivery leaves them out), batch, rank?, mem?,
 --           more?, types?, fair_time (fair share charges device time, not items)}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
 -- started_ms, file|nil, type, items, tenant, parent, part, merge (a part's: its parent, its
@@ -293,15 +294,17 @@ end
 
 -- The reply to an earlier claim was lost (a timeout or a reset connection): the task it
 -- took is in our in-flight list, started by us. Hand it over again, not another one,
--- or it would stay 'started' until this worker exits. Every class's: a backend worker's
--- other slots may hold tasks of another class than the lost claim's (it starts only
--- those it does not run). A batch is redelivered whole.
+-- or it would stay 'started' until this worker exits. Every class's, but the attempts
+-- the caller says it runs: a backend worker's other slots hold tasks too, of any class
+-- (one whose report lands meanwhile is no longer 'started' here). A batch is
+-- redelivered whole.
 if o.redeliver then
-  local out = {}
+  local out, running = {}, o.running or {}
   for _, c in ipairs(o.classes) do
     for _, id in ipairs(redis.call('LRANGE', K.inflight(w, c), 0, -1)) do
       local f = read(id, RUN_FIELDS)
-      if f.status == 'started' and f.worker_name == w then
+      if f.status == 'started' and f.worker_name == w
+        and running[id] ~= tonumber(f.attempts) then
         out[#out + 1] = handed(id, c, f, tonumber(f.attempts), tonumber(f.started_ms))
       end
     end
