@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from redis.connection import Connection
 from support.catalog import publish_builtin_catalog
 
 from dispatcher.contract import keys
@@ -194,3 +195,18 @@ def submit(
     assert response.status_code == 202, response.text
     body: dict[str, Any] = response.json()
     return body
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every round trip to Redis from a synchronous client: one entry per packet of
+    commands sent (a worker's scripts go as one), what was sent."""
+    sent: list[bytes] = []
+    send = Connection.send_packed_command
+
+    def recorded(self: Connection, command: Any, check_health: bool = True) -> None:
+        sent.append(command if isinstance(command, bytes) else b"".join(command))
+        send(self, command, check_health)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(Connection, "send_packed_command", recorded)
+    return sent

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
-from redis.connection import Connection
 from support.lua import submit
 
 from dispatcher.contract import keys
@@ -68,23 +66,8 @@ def _status(r: redis.Redis, claimed: Claimed) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-@pytest.fixture
-def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every round trip to Redis: one entry per packet of commands sent (a worker's
-    scripts go as one), what was sent."""
-    sent: list[Any] = []
-    send = Connection.send_packed_command
-
-    def counted(self: Connection, command: Any, check_health: bool = True) -> None:
-        sent.append(command)
-        send(self, command, check_health)  # type: ignore[no-untyped-call]
-
-    monkeypatch.setattr(Connection, "send_packed_command", counted)
-    return sent
-
-
 def test_a_batch_is_reported_in_one_round_trip(
-    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[Any]
+    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[bytes]
 ) -> None:
     # A Redis that lost the scripts (restarted, flushed) answers NOSCRIPT: the reporter
     # loads finish.lua and sends again what did not run.
@@ -102,7 +85,7 @@ def test_a_batch_is_reported_in_one_round_trip(
 
 
 def test_the_next_claim_rides_with_the_report(
-    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[Any]
+    r: redis.Redis, settings: Settings, broker: Broker, reporter: Reporter, round_trips: list[bytes]
 ) -> None:
     """A busy worker spends one round trip per task: the report and the next claim go
     in one packet, and the claim's tasks come back with the reports' answers."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -111,7 +110,7 @@ def test_a_thread_that_ends_gives_its_connection_back(private_redis: RedisServer
 
 
 def test_a_lost_script_is_loaded_and_sent_again_in_one_round_trip(
-    redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, r: redis.Redis, round_trips: list[bytes]
 ) -> None:
     """After NOSCRIPT (a restart, a flush, a promoted replica) the scripts are loaded in
     the packet that sends the lost calls again, on the same connection; a script Redis
@@ -121,18 +120,11 @@ def test_a_lost_script_is_loaded_and_sent_again_in_one_round_trip(
     report = ("finish", (_NO_SUCH_TASK, ""))
     assert scripts.run_many([report], wait=(0, 10)) == [[b"gone"], 0]  # loaded, no replicas
     r.script_flush()
-    packets: list[bytes] = []
-    send = Connection.send_packed_command
-
-    def recorded(self: Connection, command: Any, check_health: bool = True) -> None:
-        packets.append(b"".join(command))
-        send(self, command, check_health)  # type: ignore[no-untyped-call]
-
-    monkeypatch.setattr(Connection, "send_packed_command", recorded)
+    round_trips.clear()
     scripts._bound["broken"] = held.register_script("this is not lua")
     replies = scripts.run_many([report, ("broken", ("{}",)), report], wait=(0, 10))
-    assert len(packets) == 2  # the calls, then the loads with the lost calls again
-    assert packets[1].count(b"SCRIPT") == 2 and packets[1].count(b"EVALSHA") == 3
+    assert len(round_trips) == 2  # the calls, then the loads with the lost calls again
+    assert round_trips[1].count(b"SCRIPT") == 2 and round_trips[1].count(b"EVALSHA") == 3
     assert replies[0] == replies[2] == [b"gone"]
     assert isinstance(replies[1], ResponseError) and not isinstance(replies[1], NoScriptError)
     assert replies[3] == 0  # WAIT's
