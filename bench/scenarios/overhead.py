@@ -492,6 +492,7 @@ def _commands_section(report: Report, data: dict[str, Any]) -> None:
             "gpulane / RQ",
             rows,
             f"Clean isolated windows: gpulane {n_windows['gpulane']}, RQ {n_windows['rq']}. "
+            "Saturation rows include the workers' start-up (they start on the full queue). "
             f"Background with nothing to do: gpulane {data['bg']['gpulane']:.1f} commands/s "
             f"(API maintenance, worker heartbeat and reaper), RQ {data['bg']['rq']:.1f}/s.",
         )

@@ -126,7 +126,8 @@ def source(name: str) -> str:
     shebang = f"#!lua flags={flags}" if flags else "#!lua"
     helpers = "\n".join(lualib.text(lib) for lib in lualib.libraries_for(body))
     shared = jobs.lua_statuses() + parts.lua_part_id()
-    generated = keys.lua_prelude(set(_KEY_USE.findall(shared + helpers + body))) + shared
+    code = "\n".join(line.split("--", 1)[0] for line in (shared + helpers + body).splitlines())
+    generated = keys.lua_prelude(set(_KEY_USE.findall(code))) + shared  # calls, not comments
     return f"{shebang}\n-- gpulane:{name}\n{generated}{helpers}\n{body}"
 
 
