@@ -24,7 +24,8 @@ from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
 from testkit import REPO, RedisServer, free_port, wait_redis
-from worker.broker import Broker, Claimed, Report
+from worker.broker import Broker
+from worker.claims import Claimed, Report
 from worker.state import WorkerState
 
 TYPE = "test.batch_echo"  # any batched type: the claim takes the whole batch at once

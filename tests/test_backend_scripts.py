@@ -162,7 +162,7 @@ def test_a_stream_cut_by_a_lost_worker_is_not_generated_again() -> None:
     from worker.backend.client import Backend
     from worker.backend.relay import Relay
     from worker.backend.stream import StreamWriter
-    from worker.broker import Claimed
+    from worker.claims import Claimed
 
     args = {"kind": "chat", "body": {"model": "m", "messages": []}, "stream": True}
     claimed = Claimed("t1", "batch", encode_call(MODEL_TYPE, args), 2, 30.0, None, 0, None)

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from dispatcher.contract.jobs import encode_call
 from worker.batching import BatchRunner
-from worker.broker import Claimed
+from worker.claims import Claimed
 from worker.execute import Interrupts, Outcome, Runner
 from worker.registry import Batch, Registry, TaskCanceled
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from dispatcher.contract.jobs import ENTRY_POINT, decode_call, encode_call
 from gpulane import run
 from worker.batching import BatchRunner
-from worker.broker import Claimed
+from worker.claims import Claimed
 from worker.entry import run as legacy_run
 from worker.execute import Interrupts, Outcome, Runner
 from worker.registry import Batch, Registry

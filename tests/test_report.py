@@ -18,7 +18,8 @@ from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
 from testkit import wait_for
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 from worker.execute import Outcome, RunEnd
 from worker.report import Concluded, Reporter
 from worker.state import WorkerState

@@ -20,7 +20,8 @@ from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 from worker.execute import RunningTask, TaskHandback, TaskInterrupt
 from worker.handback import hand_back
 from worker.state import WorkerState

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from dispatcher.contract.jobs import Call, CallRefused, ErrorCode, decode_call
 from dispatcher.contract.settings import Settings
-from worker.broker import Claimed
+from worker.claims import Claimed
 from worker.execute import (
     GpuFault,
     LeaseLost,

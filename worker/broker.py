@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -19,94 +18,25 @@ from dispatcher.contract import keys
 from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.metrics import Drained
 from dispatcher.contract.reap import Reaped, lease_options, parse_reaped, reap_options
-from dispatcher.contract.scripts import FinishVerdict, ReleaseVerdict, SyncScripts, options
+from dispatcher.contract.scripts import ReleaseVerdict, SyncScripts, options
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import FairCost, Settings
 from dispatcher.contract.workers import RqCurrent, rq_worker_view
-from worker.registry import Split
+from worker.claims import (
+    Beat,
+    Claimed,
+    Finished,
+    Report,
+    parse_claimed,
+    parse_finished,
+    parse_lease,
+    text,
+)
 
-__all__ = ["Beat", "Broker", "Claimed", "Finished", "Lease", "Report"]
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A task this worker holds (it sits in the worker's in-flight list). ``attempt``
-    is the fencing token: every report carries it, and the scripts drop a report whose
-    attempt a later claim superseded."""
-
-    task_id: str
-    cls: str
-    data: bytes
-    attempt: int
-    timeout_s: float
-    created_ms: int | None
-    started_ms: int
-    file: bytes | None
-    task_type: str = ""  # the job hash's ``type`` (the call data says it again)
-    items: int = 1  # a chunk's item count (a task is one item)
-    tenant: str = ""
-    # A part's (of a task split into parts): its parent's id, its index, and the key
-    # of its result whose list is its part ('': the whole result is one entry).
-    parent: str = ""
-    part: int | None = None
-    merge: str = ""
-
-
-@dataclass(frozen=True)
-class Report:
-    """An outcome for finish.lua: ``status`` is RQ's (finished, failed, canceled), with
-    the result's JSON or the error, and the run's last progress."""
-
-    claimed: Claimed
-    status: str
-    result_json: str = ""
-    error: dict[str, Any] | None = None
-    progress: dict[str, Any] | None = None
-    device_s: float = 0.0  # the device time the run used (its share of its batch's calls)
-    split: Split | None = None  # a split: the parts to queue (split.lua, not finish.lua)
-    entries: int = 0  # a part's: the entries its result holds
+__all__ = ["Broker"]
 
 
 _CLAIMS_KEPT = 64  # claim options remembered (they vary with the GPU memory free)
-
-# finish.lua's answer: ('ok', the Redis time it ended at) or (why not, None).
-Finished = tuple[FinishVerdict, int | None]
-
-
-def _finished(reply: Any) -> Finished | RedisError:
-    if isinstance(reply, RedisError):
-        return reply
-    verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
-    return verdict, int(reply[1]) if verdict == "ok" else None
-
-
-@dataclass(frozen=True)
-class Lease:
-    """heartbeat.lua's answer: whether the lease was live (False: it had been reaped and
-    is renewed afresh), the task ids to cancel, and whether the run in progress is still
-    the task's current attempt (False once a later attempt superseded it)."""
-
-    renewed: bool
-    cancels: list[str]
-    held: bool
-
-
-@dataclass(frozen=True)
-class Beat:
-    """One heartbeat's three answers, each a reply or the error Redis gave that script."""
-
-    reaped: list[Reaped] | RedisError
-    lease: Lease | RedisError
-    gpu: str | RedisError | None  # 'held', 'retaken' or who took it; None: no claim
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _lease(reply: list[Any]) -> Lease:
-    renewed, cancels, held = reply
-    return Lease(bool(renewed), [_text(c) for c in cancels], bool(held))
 
 
 class Broker:
@@ -187,7 +117,7 @@ class Broker:
             rq=self._rq_view(info, None),
         )
         reply = self._scripts.run("register", opts)
-        if _text(reply[0]) == "name_in_use":
+        if text(reply[0]) == "name_in_use":
             return None
         return parse_reaped(reply[1])
 
@@ -267,26 +197,7 @@ class Broker:
         )
 
     def _claimed(self, reply: list[Any]) -> Claimed:
-        (task_id, cls, data, attempt, timeout, created, started, file, task_type, items, tenant) = (
-            reply[:11]
-        )
-        parent, part, merge = reply[11:14]
-        return Claimed(
-            task_id=_text(task_id),
-            cls=_text(cls),
-            data=data,
-            attempt=int(attempt),
-            timeout_s=float(timeout) if timeout else self.settings.class_timeout_s(_text(cls)),
-            created_ms=int(created) if created else None,
-            started_ms=int(started),
-            file=file,
-            task_type=_text(task_type),
-            items=int(items),
-            tenant=_text(tenant),
-            parent=_text(parent),
-            part=int(part) if part else None,
-            merge=_text(merge),
-        )
+        return parse_claimed(reply, self.settings.class_timeout_s(text(reply[1])))
 
     def unpark(self) -> None:
         """Stop being woken for work, passing on a doorbell taken on the way out."""
@@ -344,8 +255,8 @@ class Broker:
         try:
             replies = self._run_all_acked(calls)
         except ReplicaLag as exc:
-            raise ReplicaLag(str(exc), [_finished(r) for r in exc.replies[:n]]) from None
-        finished = [_finished(reply) for reply in replies[:n]]
+            raise ReplicaLag(str(exc), [parse_finished(r) for r in exc.replies[:n]]) from None
+        finished = [parse_finished(reply) for reply in replies[:n]]
         if claim_opts is None:
             return finished, None
         claimed = replies[n]
@@ -432,7 +343,7 @@ class Broker:
         reply = self._gpu("take", slots)
         if int(reply[0]) > 0:
             return int(reply[0]) - 1, []
-        return None, [_text(holder) for holder in reply[1:]]
+        return None, [text(holder) for holder in reply[1:]]
 
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
@@ -496,8 +407,8 @@ class Broker:
         reap, heartbeat, *gpu = self._scripts.run_many(calls)
         return Beat(
             reaped=reap if isinstance(reap, RedisError) else parse_reaped(reap),
-            lease=heartbeat if isinstance(heartbeat, RedisError) else _lease(heartbeat),
-            gpu=(gpu[0] if isinstance(gpu[0], RedisError) else _text(gpu[0])) if gpu else None,
+            lease=heartbeat if isinstance(heartbeat, RedisError) else parse_lease(heartbeat),
+            gpu=(gpu[0] if isinstance(gpu[0], RedisError) else text(gpu[0])) if gpu else None,
         )
 
     def unregister(self) -> list[Reaped]:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import orjson
 
 from dispatcher.contract.jobs import ErrorCode
-from worker.broker import Claimed
+from worker.claims import Claimed
 from worker.gpu.health import classify, describe
 from worker.registry import (
     Registry,

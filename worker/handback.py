@@ -11,7 +11,8 @@ from dispatcher.contract.jobs import ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reap import Reaped, record_reaped
 from dispatcher.contract.scripts import ReleaseVerdict
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 
 __all__ = ["hand_back"]
 

@@ -20,7 +20,8 @@ from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
 from worker.batching import BatchRunner, batch_policies
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 from worker.execute import Outcome, RunEnd, Runner
 from worker.gpu.budget import GpuBudget
 from worker.memory import rss_bytes

@@ -30,7 +30,8 @@ from dispatcher.contract.exits import EXIT_CONFIG, EXIT_NO_GPU, EXIT_RECYCLED, E
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.reap import record_reaped
 from dispatcher.contract.settings import Settings
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 from worker.execute import Interrupts, ProgressSink, Runner, TaskHandback
 from worker.gpu.budget import GpuBudget
 from worker.gpu.claim import claim_device

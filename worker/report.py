@@ -24,7 +24,8 @@ from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.connect import REFUSED_FOR_NOW, ReplicaLag, refused, why_refused
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
-from worker.broker import Broker, Claimed, Report
+from worker.broker import Broker
+from worker.claims import Claimed, Report
 from worker.execute import RECORDED, Outcome, RunEnd, RunningTask
 from worker.handback import hand_back
 from worker.state import WorkerState

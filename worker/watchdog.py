@@ -28,7 +28,8 @@ from dispatcher.contract.exits import EXIT_STUCK, EXIT_UNHEALTHY
 from dispatcher.contract.jobs import ErrorCode
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 from worker.execute import Interrupts, RunControl, TaskHandback
 from worker.handback import hand_back
 from worker.state import WorkerState

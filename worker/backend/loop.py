@@ -35,7 +35,8 @@ from dispatcher.contract.settings import Settings
 from worker.backend.client import Backend
 from worker.backend.relay import Relay, Stop
 from worker.backend.stream import StreamAppends, StreamWriter
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 from worker.execute import RECORDED, Outcome, RunEnd, RunningTask
 from worker.report import Concluded, Reporter
 from worker.state import WorkerState

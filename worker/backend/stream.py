@@ -17,7 +17,8 @@ from redis.exceptions import RedisError
 from dispatcher.contract.backoff import Backoff
 from dispatcher.contract.generation import StreamEntry
 from dispatcher.contract.scripts import source
-from worker.broker import Broker, Claimed
+from worker.broker import Broker
+from worker.claims import Claimed
 
 __all__ = ["Fenced", "StreamAppends", "StreamWriter"]
 
