@@ -163,7 +163,8 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
     published = []
     while (message := events.get_message(timeout=0.5)) is not None:  # read them all
         published.append(message["data"].decode())
-    assert published == [task_id, task_id, plain_id, plain_id]  # submit publishes nothing
+    # Submit publishes nothing; a start publishes the id, an end '<id> final'.
+    assert published == [task_id, f"{task_id} final", plain_id, f"{plain_id} final"]
     events.close()
 
 

@@ -12,13 +12,19 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from conftest import WorkerFactory, make_settings, submit
 from support.catalog import tenant
+from support.lua import claim, register
+from support.lua import finish as finish_task
+from support.lua import submit as submit_task
 
 from dispatcher.api.deps import Services
+from dispatcher.api.store import TaskStore
 from dispatcher.api.waiters import Waiters
 from dispatcher.client import AsyncClient, Client
 from dispatcher.contract import keys
+from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import Settings
 from testkit import ApiServer, wait_for
 
@@ -281,3 +287,65 @@ def test_clients_wait_by_long_polling(http: httpx.Client, start_worker: WorkerFa
     seen = asyncio.run(async_wait())
     assert seen[-1]["status"] == "succeeded"
     assert len(seen) >= 2  # long-polls answered until the last one, at the end
+
+
+class CountingStore(TaskStore):
+    """The API's store, counting the record reads a wait makes."""
+
+    reads = 0
+
+    async def get(self, task_id: str, scope: str | None = None) -> dict[str, Any] | None:
+        self.reads += 1
+        return await super().get(task_id, scope)
+
+
+def test_a_wait_for_the_end_reads_the_record_again_only_for_a_change_that_may_end_it(
+    redis_url: str,
+) -> None:
+    """A start (or a progress step) wakes the wait but cannot end the task: the record
+    is read when the wait begins and after the change that ended it, not in between.
+    The published messages go to the subscription's handler as Redis sends them (the
+    scripts' publishing is tested in test_scripts)."""
+    s = SyncScripts(redis.Redis.from_url(redis_url))
+    task_id = submit_task(s)
+    register(s, "w")
+
+    async def scenario() -> tuple[dict[str, Any] | None, list[int]]:
+        client = aioredis.Redis.from_url(redis_url)
+        store = CountingStore(client, make_settings(redis_url))
+        hub = Waiters(client, store)
+        hub.online = True  # as once subscribed (offline, it would re-read every second)
+        wait = asyncio.create_task(hub.until_final(task_id, None, 30))
+        first = await _settled(lambda: _waiting(hub, task_id))  # read once, now waiting
+        reads = [store.reads]
+        assert claim(s, "w") == [task_id]
+        hub._wake(task_id)  # the start, as claim.lua publishes it
+        await _settled(lambda: _waiting(hub, task_id, first))  # waiting again
+        reads.append(store.reads)
+        assert finish_task(s, "w", task_id, {"ok": True}) == b"ok"
+        hub._wake(f"{task_id} final")  # as finish.lua publishes it
+        record = await asyncio.wait_for(wait, 10)
+        reads.append(store.reads)
+        await client.aclose()
+        return record, reads
+
+    record, reads = asyncio.run(scenario())
+    assert record is not None and record["status"] == "succeeded"
+    assert reads == [1, 1, 2]
+
+
+def _waiting(hub: Waiters, task_id: str, before: object = None) -> object:
+    """The future the wait on ``task_id`` waits on now, if not ``before``, else None."""
+    watch = next(iter(hub._by_id.get(task_id, ())), None)
+    future = watch._future if watch is not None else None
+    return future if future is not None and future is not before and not future.done() else None
+
+
+async def _settled(found: Callable[[], object]) -> object:
+    """``found()`` once it is something, letting the event loop run meanwhile (a
+    record read waits on Redis: turns of the loop, up to a deadline)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while (value := found()) is None:
+        assert asyncio.get_running_loop().time() < deadline, "the wait did not get there"
+        await asyncio.sleep(0.001)
+    return value

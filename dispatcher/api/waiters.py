@@ -2,11 +2,13 @@
 
 Every script that changes a task's status or progress (claim, finish, cancel, release,
 the reaper) and a worker's progress write PUBLISH the task's id on
-:data:`dispatcher.contract.keys.EVENTS`. :class:`Waiters` holds this process's one
-subscription to that channel and wakes the in-process watches of the id; a woken watch
-re-reads the record through the store. Any number of clients waiting on any number of
-tasks cost one Redis connection, and a notification published by a script run through
-any replica (or a worker) reaches the waiters of every replica.
+:data:`dispatcher.contract.keys.EVENTS` (``<id> final`` when the change ended the task).
+:class:`Waiters` holds this process's one subscription to that channel and wakes the
+in-process watches of the id; a woken watch re-reads the record through the store (a
+wait for the end only when the change may have ended the task: not at its start).
+Any number of clients waiting on any number of tasks cost one Redis connection, and a
+notification published by a script run through any replica (or a worker) reaches the
+waiters of every replica.
 
 Routes use two calls:
 
@@ -58,16 +60,21 @@ Receive = Callable[[], Awaitable[Any]]  # an ASGI receive callable
 
 class Watch:
     """One waiter on one task id. A notification that arrives while nobody waits is
-    kept (``pending``) for the next :meth:`next`, so none falls between two waits."""
+    kept (``pending``) for the next :meth:`next`, so none falls between two waits.
+    ``final``: a notification since it was last cleared may have ended the task."""
 
-    __slots__ = ("_future", "pending", "task_id")
+    __slots__ = ("_future", "final", "pending", "task_id")
 
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         self.pending = False
+        self.final = False
         self._future: asyncio.Future[bool] | None = None
 
-    def notify(self) -> None:
+    def notify(self, final: bool = True) -> None:
+        """A change; ``final`` unless it is known not to have ended the task (a
+        resubscription may have missed any change, so it counts as final)."""
+        self.final = self.final or final
         if self._future is not None and not self._future.done():
             self._future.set_result(True)
         else:
@@ -141,9 +148,11 @@ class Waiters:
                 if not watches:
                     del self._by_id[task_id]
 
-    def _wake(self, task_id: str) -> None:
+    def _wake(self, message: str) -> None:
+        """A published change: ``<id>``, or ``<id> final`` when it ended the task."""
+        task_id, _, kind = message.partition(" ")
         for watch in self._by_id.get(task_id, ()):
-            watch.notify()
+            watch.notify(kind == "final")
 
     def _wake_all(self) -> None:
         for watches in self._by_id.values():
@@ -162,12 +171,18 @@ class Waiters:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         with self.watch(task_id) as watch:
+            read = True
             while True:
-                record = await self.store.get(task_id, scope)
+                if read:
+                    watch.final = False  # what this read sees
+                    record = await self.store.get(task_id, scope)
                 left = deadline - loop.time()
                 if record is None or record["status"] in FINAL or left <= 0:
                     return record
-                await watch.next(min(left, self._poll_s()))
+                woken = await watch.next(min(left, self._poll_s()))
+                # A start or a progress step cannot end the task: no read for it (a
+                # single-input request would read its record three times, not two).
+                read = not woken or watch.final
 
     async def follow(
         self, task_id: str, scope: str | None, duration_s: float, keepalive_s: float

@@ -111,7 +111,8 @@ One pub/sub channel (not a key; PUBLISH/SUBSCRIBE)::
 
     gpulane:events                   a task id, published whenever that task's status or
                                      progress changed (claim, finish, cancel, release,
-                                     reaper, worker progress); each API process holds one
+                                     reaper, worker progress), '<id> final' when the
+                                     change ended it; each API process holds one
                                      subscription and wakes its waiters (api/waiters.py)
 
 GPU claims are keyed by the card's NVML UUID alone, not by host name: a UUID names

@@ -25,9 +25,10 @@ local function iso(ms)
 end
 
 -- Tell every API process that task `id` changed (status or progress): its waiters
--- re-read the record (long-polls, Prefer: wait, event streams).
-local function notify(id)
-  redis.call('PUBLISH', K.EVENTS, id)
+-- re-read the record (long-polls, Prefer: wait, event streams). `final`: the change
+-- ended the task ('<id> final'), the only one a wait for the end re-reads for.
+local function notify(id, final)
+  redis.call('PUBLISH', K.EVENTS, final and (id .. ' final') or id)
 end
 
 -- A number as Redis should read it: every digit of a whole number (Lua would send 14
