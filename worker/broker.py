@@ -382,14 +382,21 @@ class Broker:
         tau_s: float,
         task: Claimed | None = None,
         gpu_slot: tuple[str, int] | None = None,
+        seq: str = "",
+        ack: Sequence[str] = (),
     ) -> Beat:
         """One heartbeat in one round trip: a reaper pass, then renew the lease and
         publish the worker (``current``: the task it runs, for RQ's registry) and flush
         metrics, then renew the GPU claim. Each script stands alone: a refused one (Redis
-        full refuses the reaper, which may write) is its error in the :class:`Beat`."""
+        full refuses the reaper, which may write) is its error in the :class:`Beat`.
+        ``seq`` names the beat (sent again after a lost reply, with the same ``drained``
+        and ``ack``, it folds nothing twice; '' folds always); ``ack``: the cancels the
+        last answered beat returned, which leave the control list now."""
         running = {"task": {"id": task.task_id, "attempt": task.attempt}} if task else {}
         beat = options(
             **running,
+            seq=seq,
+            ack=list(ack),
             worker=self.name,
             ttl_ms=int(self.settings.lease_ttl_s * 1000),
             tau_s=tau_s,

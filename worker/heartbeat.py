@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from dispatcher.contract.backoff import Backoff
-from dispatcher.contract.metrics import Recorder
+from dispatcher.contract.metrics import Drained, Recorder
 from dispatcher.contract.reap import Reaped, record_reaped
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.workers import RqCurrent
@@ -32,6 +34,15 @@ __all__ = ["Heartbeat"]
 log = logging.getLogger("gpulane.worker")
 
 RUN_TIME_TAU_S = 20.0  # time constant of the run-time mean behind wait estimates
+
+
+@dataclass(frozen=True)
+class Unanswered:
+    """A beat as sent: what it folds and acks goes again, unchanged, until answered."""
+
+    seq: str
+    drained: Drained
+    ack: tuple[str, ...]
 
 
 class Heartbeat:
@@ -58,6 +69,11 @@ class Heartbeat:
         # claim slot (uuid, slot) renewed with every beat.
         self.watch: DeviceWatch | None = None
         self.gpu_slot: tuple[str, int] | None = None
+        self._lock = threading.Lock()
+        self._token = uuid.uuid4().hex[:12]  # this process' beats, named token:n
+        self._sent = 0
+        self._unanswered: Unanswered | None = None  # sent, no reply yet: goes again
+        self._acked: tuple[str, ...] = ()  # cancels the last answered beat returned
 
     def start(self) -> None:
         self._thread.start()
@@ -113,35 +129,47 @@ class Heartbeat:
 
     def beat(self, relist: bool = False) -> None:
         """One report, one round trip (reaper, lease, GPU claim). ``relist``: the worker
-        was just unregistered on purpose."""
+        was just unregistered on purpose. A beat whose reply was lost goes first, as it
+        was (its folds and acks apply once: heartbeat.lua), then a new one, so a last
+        beat before an exit still carries every metric."""
+        with self._lock:  # the heartbeat thread, and the main thread's last beat
+            if self._unanswered is not None:
+                self._send(self._unanswered, relist)
+            self._sent += 1
+            self._unanswered = Unanswered(
+                f"{self._token}:{self._sent}", self.recorder.drain(), self._acked
+            )
+            self._send(self._unanswered, relist)
+
+    def _send(self, beat_of: Unanswered, relist: bool) -> None:
+        """Send one beat; it stays unanswered (to go again) unless its reply came and
+        its heartbeat script ran."""
         if self.watch is not None:
             self.state.device_sample = self.watch.latest()
-        drained = self.recorder.drain()
         current = self.runner.current
         running = current.claimed if current is not None else None
-        try:
-            beat = self.broker.beat(
-                self.state.info(),
-                self._rq_current(current),
-                drained,
-                RUN_TIME_TAU_S,
-                running,
-                self.gpu_slot,
-            )
-        except RedisError:
-            self.recorder.restore(drained)
-            raise
+        beat = self.broker.beat(
+            self.state.info(),
+            self._rq_current(current),
+            beat_of.drained,
+            RUN_TIME_TAU_S,
+            running,
+            self.gpu_slot,
+            seq=beat_of.seq,
+            ack=beat_of.ack,
+        )
         self._reaped(beat.reaped)  # it ran whatever became of the lease renewal
         if isinstance(beat.lease, RedisError):
-            self.recorder.restore(drained)  # not folded in: they go with the next beat
-            raise beat.lease
+            raise beat.lease  # refused whole: nothing folded, it goes again
+        self._unanswered = None
+        self._acked = tuple(beat.lease.cancels)  # the next beat takes them off the list
         if not beat.lease.renewed and not relist:
             log.warning(
                 "lease had expired; worker re-registered", extra={"worker": self.state.name}
             )
         if current is not None and not beat.lease.held:
             self._stale_run(current)
-        for task_id in beat.lease.cancels:  # first: the script already took them off the list
+        for task_id in beat.lease.cancels:  # sent until acked: a repeat finds it canceled
             log.info("cancel requested", extra={"worker": self.state.name, "task": task_id})
             self.runner.cancel(task_id)
         self._gpu_renewed(beat.gpu)
