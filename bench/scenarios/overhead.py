@@ -302,26 +302,19 @@ def celery_saturation(stack: Stack, n: int, workers: int) -> dict[str, Any]:
     """A queue of ``n`` no-ops, then ``workers`` solo workers started on it; tasks/s
     over the span every worker was running (see the module docstring)."""
     client = stack.client()
-    ids = _celery_fill(stack, n)
     env = {**stack.env(), **peers.OFFLINE, "BENCH_CELERY_URL": stack.url}
     env["PATH"] = peers.peer_env()["PATH"]
-    procs = [
-        stack.spawn(f"celery{i}", celery_tasks.worker_argv(peers.VENV, f"celery{i}"), env)
-        for i in range(workers)
-    ]
-
-    def drained() -> bool:
-        return _running(procs) and not client.llen(celery_tasks.QUEUE)
-
-    wait_for(drained, 60 + n / 50, "the Celery queue to drain", interval_s=0.05)
-    stamps = wait_for(
-        lambda: _running(procs) and _celery_stamps(client, ids),
-        30,
-        "Celery's results",
-        interval_s=0.05,
+    argv = celery_tasks.worker_argv
+    return _saturate(
+        client,
+        celery_tasks.QUEUE,
+        lambda: _celery_fill(stack, n),
+        lambda: [
+            stack.spawn(f"celery{i}", argv(peers.VENV, f"celery{i}"), env) for i in range(workers)
+        ],
+        lambda ids: _celery_stamps(client, ids) is not None,
+        lambda ids: _celery_stamps(client, ids),
     )
-    _stop(procs)
-    return {"n": n, **window_rate(stamps)}
 
 
 def background_rate(client: redis.Redis, seconds: float) -> float:
