@@ -43,6 +43,8 @@ def test_a_beat_sent_again_folds_once_and_cancels_leave_only_when_acked(
     r.rpush(keys.control(NAME), "t1")
     assert _beat(s, "p:1", []) == ["t1"]
     assert _beat(s, "p:1", []) == ["t1"]  # its reply was lost: the same beat again
+    r.delete(keys.worker(NAME))  # reaped meanwhile (or re-registered): the hash goes
+    assert _beat(s, "p:1", []) == ["t1"]
     assert _count(r) == 1
     r.rpush(keys.control(NAME), "t2")
     assert _beat(s, "p:2", ["t1"]) == ["t2"]  # t1 arrived: it leaves the list

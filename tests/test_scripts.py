@@ -163,8 +163,8 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
     published = []
     while (message := events.get_message(timeout=0.5)) is not None:  # read them all
         published.append(message["data"].decode())
-    # Submit publishes nothing; a start publishes the id, an end '<id> final'.
-    assert published == [task_id, f"{task_id} final", plain_id, f"{plain_id} final"]
+    # Submit publishes nothing; a start publishes '<id> started', an end the bare id.
+    assert published == [f"{task_id} started", task_id, f"{plain_id} started", plain_id]
     events.close()
 
 

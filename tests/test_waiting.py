@@ -294,9 +294,11 @@ class CountingStore(TaskStore):
 
     reads = 0
 
-    async def get(self, task_id: str, scope: str | None = None) -> dict[str, Any] | None:
+    async def get(
+        self, task_id: str, tenant: str | None, whole: bool = True
+    ) -> dict[str, Any] | None:
         self.reads += 1
-        return await super().get(task_id, scope)
+        return await super().get(task_id, tenant, whole)
 
 
 def test_a_wait_for_the_end_reads_the_record_again_only_for_a_change_that_may_end_it(
@@ -319,11 +321,11 @@ def test_a_wait_for_the_end_reads_the_record_again_only_for_a_change_that_may_en
         first = await _settled(lambda: _waiting(hub, task_id))  # read once, now waiting
         reads = [store.reads]
         assert claim(s, "w") == [task_id]
-        hub._wake(task_id)  # the start, as claim.lua publishes it
+        hub._wake(f"{task_id} started")  # as claim.lua publishes it
         await _settled(lambda: _waiting(hub, task_id, first))  # waiting again
         reads.append(store.reads)
         assert finish_task(s, "w", task_id, {"ok": True}) == b"ok"
-        hub._wake(f"{task_id} final")  # as finish.lua publishes it
+        hub._wake(task_id)  # as finish.lua publishes it (a bare id may be an end)
         record = await asyncio.wait_for(wait, 10)
         reads.append(store.reads)
         await client.aclose()

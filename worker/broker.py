@@ -197,7 +197,7 @@ class Broker:
         )
 
     def _claimed(self, reply: list[Any]) -> Claimed:
-        return parse_claimed(reply, self.settings.class_timeout_s(text(reply[1])))
+        return parse_claimed(reply, self.settings.class_timeout_s)
 
     def unpark(self) -> None:
         """Stop being woken for work, passing on a doorbell taken on the way out."""

@@ -3,6 +3,7 @@ reads from its scripts' answers and sends back in its reports."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,9 +106,9 @@ def parse_lease(reply: list[Any]) -> Lease:
     return Lease(bool(renewed), [text(c) for c in cancels], bool(held))
 
 
-def parse_claimed(reply: list[Any], default_timeout_s: float) -> Claimed:
-    """A task of claim.lua's answer; ``default_timeout_s``: its class's, where the task
-    set none of its own."""
+def parse_claimed(reply: list[Any], class_timeout_s: Callable[[str], float]) -> Claimed:
+    """A task of claim.lua's answer; ``class_timeout_s(cls)`` is asked for its class's
+    timeout where the task set none of its own."""
     (task_id, cls, data, attempt, timeout, created, started, file, task_type, items, tenant) = (
         reply[:11]
     )
@@ -117,7 +118,7 @@ def parse_claimed(reply: list[Any], default_timeout_s: float) -> Claimed:
         cls=text(cls),
         data=data,
         attempt=int(attempt),
-        timeout_s=float(timeout) if timeout else default_timeout_s,
+        timeout_s=float(timeout) if timeout else class_timeout_s(text(cls)),
         created_ms=int(created) if created else None,
         started_ms=int(started),
         file=file,

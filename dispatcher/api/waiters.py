@@ -2,10 +2,11 @@
 
 Every script that changes a task's status or progress (claim, finish, cancel, release,
 the reaper) and a worker's progress write PUBLISH the task's id on
-:data:`dispatcher.contract.keys.EVENTS` (``<id> final`` when the change ended the task).
-:class:`Waiters` holds this process's one subscription to that channel and wakes the
-in-process watches of the id; a woken watch re-reads the record through the store (a
-wait for the end only when the change may have ended the task: not at its start).
+:data:`dispatcher.contract.keys.EVENTS` (``<id> started``, ``<id> progress`` for changes
+that cannot end the task). :class:`Waiters` holds this process's one subscription to
+that channel and wakes the in-process watches of the id; a woken watch re-reads the
+record through the store (a wait for the end only when the change may have ended the
+task: not at its start or a progress step).
 Any number of clients waiting on any number of tasks cost one Redis connection, and a
 notification published by a script run through any replica (or a worker) reaches the
 waiters of every replica.
@@ -17,7 +18,8 @@ Routes use two calls:
 - :meth:`Waiters.follow`: each status or progress change until final (the event stream).
 
 A route waiting on several tasks (one per input of a batch request) gathers one
-``until_final`` per id: each is a watch and a re-read per change, nothing more.
+``until_final`` per id: each is a watch and a re-read per change that may end it,
+nothing more.
 
 :func:`unless_disconnected` runs a wait but gives up the moment the HTTP client goes
 away (ASGI servers do not cancel a request handler when its client disconnects), so
@@ -54,6 +56,7 @@ ONLINE_POLL_S = 30.0  # safety re-read while it is up (a notification cannot be 
 IDLE_PING_S = 10.0  # a quiet subscription is PINGed this often (finds a dead socket)
 
 EventKind = Literal["status", "progress", "final", "keepalive"]
+NOT_FINAL = frozenset({"started", "progress"})  # published changes that cannot end a task
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[Any]]  # an ASGI receive callable
 
@@ -149,10 +152,11 @@ class Waiters:
                     del self._by_id[task_id]
 
     def _wake(self, message: str) -> None:
-        """A published change: ``<id>``, or ``<id> final`` when it ended the task."""
+        """A published change: ``<id>``, or ``<id> <kind>`` for one that cannot end the
+        task (any other kind, one a newer publisher may add, counts as a possible end)."""
         task_id, _, kind = message.partition(" ")
         for watch in self._by_id.get(task_id, ()):
-            watch.notify(kind == "final")
+            watch.notify(kind not in NOT_FINAL)
 
     def _wake_all(self) -> None:
         for watches in self._by_id.values():
@@ -181,8 +185,9 @@ class Waiters:
                     return record
                 woken = await watch.next(min(left, self._poll_s()))
                 # A start or a progress step cannot end the task: no read for it (a
-                # single-input request would read its record three times, not two).
-                read = not woken or watch.final
+                # single-input request would read its record three times, not two),
+                # unless the deadline came with it (the answer is the live record then).
+                read = not woken or watch.final or loop.time() >= deadline
 
     async def follow(
         self, task_id: str, scope: str | None, duration_s: float, keepalive_s: float

@@ -51,6 +51,10 @@ gpulane's keys::
                                             model's): the backend workers serving it
     gpulane:wake:<name>              LIST   doorbell a parked worker blocks on
     gpulane:control:<name>           LIST   ids of running tasks the worker must cancel
+    gpulane:beat:<name>              STRING the name of the worker's last heartbeat
+                                            folded in (EX 1 h; outlives the worker
+                                            hash, which a reaper or a re-register
+                                            deletes): one sent again folds nothing twice
     gpulane:stats:<class>            HASH   decayed mean run time: sum, weight, at_ms
     gpulane:bytes:<class>            STRING upload bytes held by the class's unfinished
                                             tasks, for max_queued_bytes: INCRBY in
@@ -111,9 +115,10 @@ One pub/sub channel (not a key; PUBLISH/SUBSCRIBE)::
 
     gpulane:events                   a task id, published whenever that task's status or
                                      progress changed (claim, finish, cancel, release,
-                                     reaper, worker progress), '<id> final' when the
-                                     change ended it; each API process holds one
-                                     subscription and wakes its waiters (api/waiters.py)
+                                     reaper, worker progress; '<id> started' and
+                                     '<id> progress' for changes that cannot end it);
+                                     each API process holds one subscription and wakes
+                                     its waiters (api/waiters.py)
 
 GPU claims are keyed by the card's NVML UUID alone, not by host name: a UUID names
 one physical card (or MIG instance) worldwide, while a host name is per container, so
@@ -138,6 +143,7 @@ __all__ = [
     "RQ_WORKERS",
     "USAGE_MINUTES",
     "WORKERS",
+    "beat",
     "catalog_publisher",
     "control",
     "fair",
@@ -205,6 +211,7 @@ _TEMPLATES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "fair": (_P + "fair:", ("cls",), ""),
     "wake": (_P + "wake:", ("name",), ""),
     "control": (_P + "control:", ("name",), ""),
+    "beat": (_P + "beat:", ("name",), ""),
     "stats": (_P + "stats:", ("cls",), ""),
     "queued_bytes": (_P + "bytes:", ("cls",), ""),
     "queued_extra": (_P + "extra:", ("cls",), ""),
@@ -299,6 +306,10 @@ def wake(name: str) -> str:
 
 def control(name: str) -> str:
     return _build("control", name)
+
+
+def beat(name: str) -> str:
+    return _build("beat", name)
 
 
 def stats(cls: str) -> str:

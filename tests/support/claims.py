@@ -56,7 +56,7 @@ class ClaimLog:
             message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
             if message is None or message["type"] != "message":
                 continue
-            task_id = message["data"].decode().partition(" ")[0]  # '<id> final': its end
+            task_id = message["data"].decode().partition(" ")[0]  # '<id> started'
             with self._lock:
                 if task_id not in self._seen:
                     self._seen.add(task_id)

@@ -70,7 +70,7 @@ class Usage:
 
 @dataclass
 class Relay:
-    claimed: Any  # worker.broker.Claimed
+    claimed: Any  # worker.claims.Claimed
     backend: Backend
     writer: StreamWriter
     recorder: Recorder

@@ -224,7 +224,7 @@ local function start(p, now)
   redis.call('HSET', K.job(id), 'status', 'started', 'started_at', ts, 'last_heartbeat', ts,
     'started_ms', now, 'worker_name', w, 'attempts', attempts, 'device', o.device,
     'fc', num(charged or 0))
-  notify(id)
+  notify(id, 'started')
   return handed(id, c, f, attempts, now)
 end
 

@@ -52,19 +52,24 @@ end
 local o = cjson.decode(ARGV[1])
 local now = now_ms()
 local added = redis.call('ZADD', K.WORKERS, now + o.ttl_ms, o.worker)
-local wk = K.worker(o.worker)
 local seq = o.seq or ''
-local fresh = seq == '' or redis.call('HGET', wk, 'beat') ~= seq
+-- The name of the last beat folded in: a key of its own, which outlives the worker
+-- hash (a reaper pass or a re-register deletes that) by an hour.
+local fresh = seq == '' or redis.call('GET', K.beat(o.worker)) ~= seq
 if o.ack then
   for _, id in ipairs(o.ack) do redis.call('LREM', K.control(o.worker), 1, id) end
 end
 
-local info = {'last_heartbeat_ms', now, 'beat', seq}
+local info = {'last_heartbeat_ms', now}
 for k, v in pairs(o.info) do info[#info + 1] = k; info[#info + 1] = v end
-redis.call('HSET', wk, unpack(info))
+redis.call('HSET', K.worker(o.worker), unpack(info))
 rq_publish(o.worker, now, o.ttl_ms, o.rq)
 
-if fresh then fold(o, now) end
+if fresh then
+  fold(o, now)
+  -- After the fold: a fold that fails part-way is not taken for done.
+  if seq ~= '' then redis.call('SET', K.beat(o.worker), seq, 'EX', 3600) end
+end
 
 local cancels = redis.call('LRANGE', K.control(o.worker), 0, -1)
 

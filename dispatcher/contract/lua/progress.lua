@@ -17,5 +17,5 @@ if f[4] then
 else
   redis.call('HSET', jk, 'progress', ARGV[2])
 end
-notify(o.id)
+notify(o.id, 'progress')
 return 1

@@ -25,10 +25,12 @@ local function iso(ms)
 end
 
 -- Tell every API process that task `id` changed (status or progress): its waiters
--- re-read the record (long-polls, Prefer: wait, event streams). `final`: the change
--- ended the task ('<id> final'), the only one a wait for the end re-reads for.
-local function notify(id, final)
-  redis.call('PUBLISH', K.EVENTS, final and (id .. ' final') or id)
+-- re-read the record (long-polls, Prefer: wait, event streams). `kind` names a change
+-- that cannot end the task ('<id> started', '<id> progress'): a wait for the end reads
+-- nothing for it. A bare id may be an end (so is any message an older or newer
+-- process does not know: it costs a read, never a missed end).
+local function notify(id, kind)
+  redis.call('PUBLISH', K.EVENTS, kind and (id .. ' ' .. kind) or id)
 end
 
 -- A number as Redis should read it: every digit of a whole number (Lua would send 14

@@ -62,5 +62,5 @@ local function finalize(id, status, now, ttl, extra, quota_tenant, cls, bytes)
     unpack(extra))
   redis.call('EXPIRE', jk, ttl)
   if quota_tenant then redis.call('ZREM', K.tenant_tasks(quota_tenant), id) end
-  notify(id, true)
+  notify(id)
 end
