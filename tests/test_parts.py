@@ -129,7 +129,10 @@ def test_a_worker_killed_mid_part_redoes_that_part_only(
     runs = tmp_path / "runs"
     doomed = start_worker("doomed")
     task = submit(http, "test.map", {"parts": 4, "seconds": 1.0, "path": str(runs)})
-    wait_status(http, part_id(task["id"], 1), {"running"}, 20)  # part 0 is done
+    # Killed once part 1's handler has begun (its first act writes its line), not at
+    # its claim: the record says running from the claim on, and a kill before the
+    # handler's first line would leave that run unrecorded (a flake seen once).
+    wait_for(lambda: runs.exists() and "1" in runs.read_text().split(), 20, "part 1 to run")
     doomed.kill()
     start_worker("heir")
     record = wait_status(http, task["id"], {"succeeded"}, 40)
