@@ -18,7 +18,7 @@ from dispatcher.contract import keys
 from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.metrics import Drained
 from dispatcher.contract.reap import Reaped, lease_options, parse_reaped, reap_options
-from dispatcher.contract.scripts import ReleaseVerdict, SyncScripts, options
+from dispatcher.contract.scripts import ReleaseVerdict, SyncScripts, as_text, options
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import FairCost, Settings
 from dispatcher.contract.workers import RqCurrent, rq_worker_view
@@ -30,7 +30,6 @@ from worker.claims import (
     parse_claimed,
     parse_finished,
     parse_lease,
-    text,
 )
 
 __all__ = ["Broker"]
@@ -117,7 +116,7 @@ class Broker:
             rq=self._rq_view(info, None),
         )
         reply = self._scripts.run("register", opts)
-        if text(reply[0]) == "name_in_use":
+        if as_text(reply[0]) == "name_in_use":
             return None
         return parse_reaped(reply[1])
 
@@ -343,7 +342,7 @@ class Broker:
         reply = self._gpu("take", slots)
         if int(reply[0]) > 0:
             return int(reply[0]) - 1, []
-        return None, [text(holder) for holder in reply[1:]]
+        return None, [as_text(holder) for holder in reply[1:]]
 
     def gpu_release(self, slot: tuple[str, int]) -> bool:
         return bool(self._gpu("release", [slot]))
@@ -415,7 +414,7 @@ class Broker:
         return Beat(
             reaped=reap if isinstance(reap, RedisError) else parse_reaped(reap),
             lease=heartbeat if isinstance(heartbeat, RedisError) else parse_lease(heartbeat),
-            gpu=(gpu[0] if isinstance(gpu[0], RedisError) else text(gpu[0])) if gpu else None,
+            gpu=(gpu[0] if isinstance(gpu[0], RedisError) else as_text(gpu[0])) if gpu else None,
         )
 
     def unregister(self) -> list[Reaped]:

@@ -10,7 +10,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from dispatcher.contract.reap import Reaped
-from dispatcher.contract.scripts import FinishVerdict
+from dispatcher.contract.scripts import FinishVerdict, as_text
 from dispatcher.contract.scripts import verdict as script_verdict
 from worker.registry import Split
 
@@ -23,7 +23,6 @@ __all__ = [
     "parse_claimed",
     "parse_finished",
     "parse_lease",
-    "text",
 ]
 
 
@@ -97,13 +96,9 @@ class Beat:
     gpu: str | RedisError | None  # 'held', 'retaken' or who took it; None: no claim
 
 
-def text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def parse_lease(reply: list[Any]) -> Lease:
     renewed, cancels, held = reply
-    return Lease(bool(renewed), [text(c) for c in cancels], bool(held))
+    return Lease(bool(renewed), [as_text(c) for c in cancels], bool(held))
 
 
 def parse_claimed(reply: list[Any], class_timeout_s: Callable[[str], float]) -> Claimed:
@@ -114,18 +109,18 @@ def parse_claimed(reply: list[Any], class_timeout_s: Callable[[str], float]) -> 
     )
     parent, part, merge = reply[11:14]
     return Claimed(
-        task_id=text(task_id),
-        cls=text(cls),
+        task_id=as_text(task_id),
+        cls=as_text(cls),
         data=data,
         attempt=int(attempt),
-        timeout_s=float(timeout) if timeout else class_timeout_s(text(cls)),
+        timeout_s=float(timeout) if timeout else class_timeout_s(as_text(cls)),
         created_ms=int(created) if created else None,
         started_ms=int(started),
         file=file,
-        task_type=text(task_type),
+        task_type=as_text(task_type),
         items=int(items),
-        tenant=text(tenant),
-        parent=text(parent),
+        tenant=as_text(tenant),
+        parent=as_text(parent),
         part=int(part) if part else None,
-        merge=text(merge),
+        merge=as_text(merge),
     )

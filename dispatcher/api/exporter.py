@@ -33,6 +33,7 @@ from redis.asyncio import Redis
 from dispatcher.api.pool import Snapshot
 from dispatcher.contract import keys
 from dispatcher.contract.metrics import BUCKETS, COUNTERS, HISTOGRAMS, buckets_of, le_text
+from dispatcher.contract.scripts import as_text
 from dispatcher.contract.workers import WORKER_STATES
 
 __all__ = [
@@ -112,10 +113,6 @@ class Recorded:
     histograms: dict[str, dict[Labels, Histogram]] = field(default_factory=dict)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def parse(raw: Mapping[bytes | str, bytes | str]) -> Recorded:
     """Parse the hash fields documented in :mod:`dispatcher.contract.metrics`. A field of a metric
     this version does not know, or with the wrong number of labels, is skipped: during
@@ -124,11 +121,11 @@ def parse(raw: Mapping[bytes | str, bytes | str]) -> Recorded:
         counters={name: {} for name in COUNTERS}, histograms={name: {} for name in HISTOGRAMS}
     )
     for raw_field, raw_value in raw.items():
-        kind, _, rest = _text(raw_field).partition("|")
+        kind, _, rest = as_text(raw_field).partition("|")
         name, _, label_text = rest.partition("|")
         parts = tuple(label_text.split("|"))
         try:
-            value = float(_text(raw_value))
+            value = float(as_text(raw_value))
             if kind == "c" and name in COUNTERS and len(parts) == len(COUNTERS[name][1]):
                 series = out.counters[name]
                 series[parts] = series.get(parts, 0.0) + value

@@ -21,7 +21,7 @@ from dispatcher.contract.jobs import (
     encode_call,
     record_from_fields,
 )
-from dispatcher.contract.scripts import CancelVerdict, SubmitVerdict, options
+from dispatcher.contract.scripts import CancelVerdict, SubmitVerdict, as_text, options
 from dispatcher.contract.scripts import verdict as script_verdict
 from dispatcher.contract.settings import ClassConfig, Settings
 
@@ -182,10 +182,6 @@ def submit_options(
     )
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class TaskStore:
     def __init__(self, client: Redis, settings: Settings) -> None:
         self.client = client
@@ -227,21 +223,21 @@ class TaskStore:
             reply = await self.scripts.run("submit", opts, *argv, sub.file_data)
         verdict: SubmitVerdict = script_verdict(reply[0], SubmitVerdict)
         if verdict == "duplicate":
-            _, task_id, status, cls, task_type = (_text(x) for x in reply)
+            _, task_id, status, cls, task_type = (as_text(x) for x in reply)
             return SubmitResult(
                 verdict, task_id, -1, None, PUBLIC_STATUS.get(status, status), cls, task_type
             )
         if verdict == "idempotency_key_reused":
-            return SubmitResult(verdict, _text(reply[1]), -1, None)
+            return SubmitResult(verdict, as_text(reply[1]), -1, None)
         accepted = verdict == "accepted"
         depth = int(reply[2]) + (sum(r.items for r in records) if accepted else 0)
         est_ms = int(reply[3])
-        common = (verdict, _text(reply[1]), depth, est_ms / 1000 if est_ms >= 0 else None)
+        common = (verdict, as_text(reply[1]), depth, est_ms / 1000 if est_ms >= 0 else None)
         if accepted:  # reply[4]: its position, reply[5]: the pressure
             return SubmitResult(*common, "queued", sub.cls, sub.task_type,
-                                position=int(reply[4]), pressure=_text(reply[5]))  # fmt: skip
+                                position=int(reply[4]), pressure=as_text(reply[5]))  # fmt: skip
         # reply[4]: the limit refused (device_quota: ms), reply[5]: Retry-After.
-        return SubmitResult(*common, "queued", sub.cls, sub.task_type, limit=_text(reply[4]),
+        return SubmitResult(*common, "queued", sub.cls, sub.task_type, limit=as_text(reply[4]),
                             pressure="full", retry_after_s=int(reply[5]))  # fmt: skip
 
     async def get(
@@ -267,7 +263,7 @@ class TaskStore:
             any_tenant=tenant is None,
             ttl_s=self.settings.result_ttl_s,
         )
-        reply = [_text(x) for x in await self.scripts.run("cancel", opts)]
+        reply = [as_text(x) for x in await self.scripts.run("cancel", opts)]
         verdict: CancelVerdict = script_verdict(reply[0], CancelVerdict)
         if verdict == "canceled":
             return CancelResult("canceled", cls=reply[1], task_type=reply[2], items=int(reply[3]))

@@ -23,6 +23,7 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.exporter import Recorded
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import iso_ms
+from dispatcher.contract.scripts import as_text
 
 __all__ = ["INSTANT_PATTERN", "UsageReport", "device_stats", "parse_instant", "read_usage"]
 
@@ -100,10 +101,10 @@ async def read_usage(
     for at in range(0, len(minutes), _READ_BATCH):
         pipe = client.pipeline(transaction=False)
         for minute in minutes[at : at + _READ_BATCH]:
-            pipe.hgetall(keys.usage(int(_text(minute))))
+            pipe.hgetall(keys.usage(int(as_text(minute))))
         for bucket in await pipe.execute():
             for field, value in bucket.items():
-                parts = _text(field).split("|")
+                parts = as_text(field).split("|")
                 if len(parts) == 4 and parts[0] == "u":
                     rows[(parts[1], parts[2], parts[3])] += int(value)
     tenants: defaultdict[str, int] = defaultdict(int)
@@ -138,7 +139,3 @@ def device_stats(recorded: Recorded, tenant: str | None) -> dict[str, dict[str, 
         per_class = entry["classes"].setdefault(cls, {})
         per_class[task_type] = round(per_class.get(task_type, 0.0) + seconds, 6)
     return out
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -131,10 +131,15 @@ def source(name: str) -> str:
     return f"{shebang}\n-- gpulane:{name}\n{generated}{helpers}\n{body}"
 
 
+def as_text(value: Any) -> str:
+    """A string from a Redis reply (bytes from a client that does not decode)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def verdict(value: bytes | str, allowed: Any) -> Any:
     """A script's verdict, checked against its ``Literal`` type: a script and its
     caller that disagree fail loudly here, not somewhere downstream."""
-    text = value.decode() if isinstance(value, bytes) else value
+    text = as_text(value)
     if text not in allowed.__args__:
         raise ValueError(f"unexpected script verdict {text!r}")
     return cast(Any, text)
