@@ -10,6 +10,7 @@ from support.lua import CLASSES, SETTINGS, claim, claim_tasks, register, submit
 from support.lua import finish as _finish
 
 from dispatcher.api.store import Submission, submit_options
+from dispatcher.api.waiters import NOT_FINAL
 from dispatcher.contract import keys
 from dispatcher.contract.jobs import encode_call
 from dispatcher.contract.reap import lease_options, parse_reaped, reap_options
@@ -158,13 +159,20 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
     register(s, "w")
     for claimed in (task_id, plain_id):
         assert _claim(s, "w")[0].decode() == claimed  # started: published
+        step = options(id=claimed, worker="w", attempt=1)
+        assert s.run("progress", step, json.dumps({"fraction": 0.5, "message": "half"})) == 1
         assert _finish(s, "w", claimed, {}) == b"ok"  # final: published
     assert not r.exists(keys.file(task_id))
     published = []
     while (message := events.get_message(timeout=0.5)) is not None:  # read them all
         published.append(message["data"].decode())
-    # Submit publishes nothing; a start publishes '<id> started', an end the bare id.
-    assert published == [f"{task_id} started", task_id, f"{plain_id} started", plain_id]
+    # Submit publishes nothing; a start and a progress step say so, an end is the bare id.
+    assert published == [
+        *(f"{task_id} started", f"{task_id} progress", task_id),
+        *(f"{plain_id} started", f"{plain_id} progress", plain_id),
+    ]
+    # The kinds the scripts publish are the ones the API's waiters read no record for.
+    assert {m.partition(" ")[2] for m in published} - {""} == NOT_FINAL
     events.close()
 
 
