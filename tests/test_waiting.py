@@ -301,6 +301,16 @@ class CountingStore(TaskStore):
         return await super().get(task_id, tenant, whole)
 
 
+def _counting_hub(redis_url: str, online: bool) -> tuple[aioredis.Redis, CountingStore, Waiters]:
+    """Waiters on a store that counts its reads, not subscribed: the tests hand the
+    published messages to its handler themselves."""
+    client = aioredis.Redis.from_url(redis_url)
+    store = CountingStore(client, make_settings(redis_url))
+    hub = Waiters(client, store)
+    hub.online = online
+    return client, store, hub
+
+
 def test_a_wait_for_the_end_reads_the_record_again_only_for_a_change_that_may_end_it(
     redis_url: str,
 ) -> None:
@@ -313,10 +323,8 @@ def test_a_wait_for_the_end_reads_the_record_again_only_for_a_change_that_may_en
     register(s, "w")
 
     async def scenario() -> tuple[dict[str, Any] | None, list[int]]:
-        client = aioredis.Redis.from_url(redis_url)
-        store = CountingStore(client, make_settings(redis_url))
-        hub = Waiters(client, store)
-        hub.online = True  # as once subscribed (offline, it would re-read every second)
+        # online: as once subscribed (offline, it would re-read every second)
+        client, store, hub = _counting_hub(redis_url, online=True)
         wait = asyncio.create_task(hub.until_final(task_id, None, 30))
         first = await _settled(lambda: _waiting(hub, task_id))  # read once, now waiting
         reads = [store.reads]
@@ -334,6 +342,44 @@ def test_a_wait_for_the_end_reads_the_record_again_only_for_a_change_that_may_en
     record, reads = asyncio.run(scenario())
     assert record is not None and record["status"] == "succeeded"
     assert reads == [1, 1, 2]
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_a_wait_on_a_watch_registered_before_the_record_changed_reads_it_only_at_the_end(
+    redis_url: str, live: bool
+) -> None:
+    """``wait_final(unread=False)``: the route registered the watch while the
+    subscription was up and knows the record was not final then (it created it, or
+    read it after registering), so nothing is read until a change that may end the
+    task: one read per record (``/v1/embeddings``, ``Prefer: wait``, ``?wait=N``).
+    Registered while the subscription was down, the watch may have missed a change:
+    the wait reads first."""
+    s = SyncScripts(redis.Redis.from_url(redis_url))
+    task_id = submit_task(s)
+    register(s, "w")
+
+    async def scenario() -> tuple[dict[str, Any] | None, list[int]]:
+        client, store, hub = _counting_hub(redis_url, online=live)
+        with hub.watch_all([task_id]) as (watch,):
+            hub.online = True  # a wait on a watch registered offline still reads first
+            wait = asyncio.create_task(hub.wait_final(watch, None, 30, unread=False))
+            first = await _settled(lambda: _waiting(hub, task_id))
+            reads = [store.reads]
+            assert claim(s, "w") == [task_id]
+            hub._wake(f"{task_id} started")  # as claim.lua publishes it
+            await _settled(lambda: _waiting(hub, task_id, first))
+            reads.append(store.reads)
+            assert finish_task(s, "w", task_id, {"ok": True}) == b"ok"
+            hub._wake(task_id)
+            record = await asyncio.wait_for(wait, 10)
+            reads.append(store.reads)
+        assert not hub._by_id  # the block's end removed the watch
+        await client.aclose()
+        return record, reads
+
+    record, reads = asyncio.run(scenario())
+    assert record is not None and record["status"] == "succeeded"
+    assert reads == ([0, 0, 1] if live else [1, 1, 2])
 
 
 def _waiting(hub: Waiters, task_id: str, before: object = None) -> object:

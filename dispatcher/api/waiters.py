@@ -11,15 +11,17 @@ Any number of clients waiting on any number of tasks cost one Redis connection, 
 notification published by a script run through any replica (or a worker) reaches the
 waiters of every replica.
 
-Routes use two calls:
+Routes use these calls:
 
-- :meth:`Waiters.until_final`: the record once final, or the live one at the deadline
-  (``Prefer: wait``, ``GET /tasks/<id>?wait=N``);
+- :meth:`Waiters.until_final`: the record once final, or the live one at the deadline;
+  :meth:`Waiters.wait_final` the same on watches the route registered itself
+  (:meth:`Waiters.watch`, :meth:`Waiters.watch_all`): ``Prefer: wait``,
+  ``GET /tasks/<id>?wait=N``, ``/v1/embeddings``;
 - :meth:`Waiters.follow`: each status or progress change until final (the event stream).
 
-A route waiting on several tasks (one per input of a batch request) gathers one
-``until_final`` per id: each is a watch and a re-read per change that may end it,
-nothing more.
+A route waiting on several records (the chunks of a ``/v1/embeddings`` call) gathers
+one wait per record: each is a watch and a read per change that may end it, nothing
+more.
 
 :func:`unless_disconnected` runs a wait but gives up the moment the HTTP client goes
 away (ASGI servers do not cancel a request handler when its client disconnects), so
@@ -28,7 +30,10 @@ a client that leaves mid-wait frees its watch at once.
 A watch registers before the first read of the record, so a change between that read
 and the wait is never missed; every (re)subscription wakes every watch for the same
 reason (the channel keeps nothing for an absent subscriber). While the subscription is
-down, watches re-read every :data:`OFFLINE_POLL_S` instead.
+down, watches re-read every :data:`OFFLINE_POLL_S` instead. A route that registers its
+watches while the subscription is up, before it creates the records (or before it
+reads one), waits with :meth:`Waiters.wait_final` and skips that first read: one read
+per record, the final one.
 """
 
 from __future__ import annotations
@@ -66,12 +71,15 @@ class Watch:
     kept (``pending``) for the next :meth:`next`, so none falls between two waits.
     ``final``: a notification since it was last cleared may have ended the task."""
 
-    __slots__ = ("_future", "final", "pending", "task_id")
+    __slots__ = ("_future", "final", "live", "pending", "task_id")
 
-    def __init__(self, task_id: str) -> None:
+    def __init__(self, task_id: str, live: bool = False) -> None:
         self.task_id = task_id
         self.pending = False
         self.final = False
+        # Registered while the subscription was up: every change made after that is
+        # seen (or the resubscription that follows a loss wakes it, as a possible end).
+        self.live = live
         self._future: asyncio.Future[bool] | None = None
 
     def notify(self, final: bool = True) -> None:
@@ -140,16 +148,25 @@ class Waiters:
     @contextlib.contextmanager
     def watch(self, task_id: str) -> Iterator[Watch]:
         """Register a watch for the block's duration; removed at once on exit."""
-        watch = Watch(task_id)
-        self._by_id.setdefault(task_id, set()).add(watch)
+        with self.watch_all([task_id]) as watches:
+            yield watches[0]
+
+    @contextlib.contextmanager
+    def watch_all(self, task_ids: list[str]) -> Iterator[list[Watch]]:
+        """Register a watch per id for the block's duration (a request waiting on the
+        records it is about to create registers before it submits them)."""
+        watches = [Watch(task_id, self.online) for task_id in task_ids]
+        for watch in watches:
+            self._by_id.setdefault(watch.task_id, set()).add(watch)
         try:
-            yield watch
+            yield watches
         finally:
-            watches = self._by_id.get(task_id)
-            if watches is not None:
-                watches.discard(watch)
-                if not watches:
-                    del self._by_id[task_id]
+            for watch in watches:
+                held = self._by_id.get(watch.task_id)
+                if held is not None:
+                    held.discard(watch)
+                    if not held:
+                        del self._by_id[watch.task_id]
 
     def _wake(self, message: str) -> None:
         """A published change: ``<id>``, or ``<id> <kind>`` for one that cannot end the
@@ -172,22 +189,30 @@ class Waiters:
     ) -> dict[str, Any] | None:
         """The record as soon as it is final, else as it is after ``timeout_s``; None
         when absent (or another tenant's)."""
+        with self.watch(task_id) as watch:
+            return await self.wait_final(watch, scope, timeout_s)
+
+    async def wait_final(
+        self, watch: Watch, scope: str | None, timeout_s: float, unread: bool = True
+    ) -> dict[str, Any] | None:
+        """:meth:`until_final` on a watch the caller registered. ``unread=False``: the
+        caller knows the record was not final after the watch was registered (it read
+        it then, or created it since), so a live watch skips the first read: anything
+        that changes it from there is a notification."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        with self.watch(task_id) as watch:
-            read = True
-            while True:
-                if read:
-                    watch.final = False  # what this read sees
-                    record = await self.store.get(task_id, scope)
-                left = deadline - loop.time()
-                if record is None or record["status"] in FINAL or left <= 0:
+        read = unread or not watch.live
+        while True:
+            if read:
+                watch.final = False  # what this read sees
+                record = await self.store.get(watch.task_id, scope)
+                if record is None or record["status"] in FINAL or loop.time() >= deadline:
                     return record
-                woken = await watch.next(min(left, self._poll_s()))
-                # A start or a progress step cannot end the task: no read for it (a
-                # single-input request would read its record three times, not two),
-                # unless the deadline came with it (the answer is the live record then).
-                read = not woken or watch.final or loop.time() >= deadline
+            woken = await watch.next(min(deadline - loop.time(), self._poll_s()))
+            # A start or a progress step cannot end the task: no read for it (a
+            # single-input request would read its record three times, not two),
+            # unless the deadline came with it (the answer is the live record then).
+            read = not woken or watch.final or loop.time() >= deadline
 
     async def follow(
         self, task_id: str, scope: str | None, duration_s: float, keepalive_s: float

@@ -44,7 +44,7 @@ from dispatcher.api.openai_shape import first_error
 from dispatcher.api.openai_shape import invalid as _invalid
 from dispatcher.api.openai_shape import openai_error as _openai_error
 from dispatcher.api.openai_shape import responses as _errors
-from dispatcher.api.store import Submission
+from dispatcher.api.store import Record, Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
 from dispatcher.contract.generation import Kind
@@ -168,11 +168,11 @@ async def _body(request: Request, svc: Services) -> tuple[EmbeddingsRequest, dic
         raise first_error(exc) from None
 
 
-async def _submit_all(
+async def _pack(
     svc: Services, principal: Principal, task_type: str, texts: list[str]
-) -> list[str]:
-    """Submit the inputs as one request: chunks of the type's batch size, admitted
-    whole or refused whole. Returns the records' ids, in input order."""
+) -> tuple[Submission, list[Record]]:
+    """The inputs as one request, checked: chunks of the type's batch size, in input
+    order, to be admitted whole or refused whole."""
     cls = svc.settings.openai_task_class
     if not principal.may_use(cls):
         message = f"This key may not use class {cls!r}, which serves /v1/embeddings."
@@ -200,8 +200,7 @@ async def _submit_all(
         fits_ever(len(texts), len(records), sub, svc.settings)
     except ApiError as exc:  # no retry could fit it: OpenAI's 400 on `input`
         raise _invalid(f"'input': {exc.message}", "input") from None
-    await admit(svc, sub, records)
-    return [r.task_id for r in records]
+    return sub, records
 
 
 async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
@@ -286,14 +285,20 @@ async def _embeddings(request: Request) -> Response:
         return Response(relayed, media_type="application/json", headers=headers)
     texts = req.input if isinstance(req.input, list) else [req.input]
     dimensions, fmt = req.dimensions, req.encoding_format
-    ids = await _submit_all(svc, principal, models[model], texts)
+    sub, packed = await _pack(svc, principal, models[model], texts)
+    ids = [r.task_id for r in packed]
     scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
-    work = asyncio.gather(*(svc.waiters.until_final(i, scope, timeout_s) for i in ids))
-    try:
-        records = await unless_disconnected(request.receive, work)
-    except RedisError:
-        await _cancel(svc, ids, principal)
-        raise
+    # Watched before they exist: each record's first read is its final one.
+    with svc.waiters.watch_all(ids) as watches:
+        await admit(svc, sub, packed)
+        work = asyncio.gather(
+            *(svc.waiters.wait_final(w, scope, timeout_s, unread=False) for w in watches)
+        )
+        try:
+            records = await unless_disconnected(request.receive, work)
+        except RedisError:
+            await _cancel(svc, ids, principal)
+            raise
     if records is None:  # the client left: its tasks would only burn GPU time
         await _cancel(svc, ids, principal)
         raise ApiError(499, "client_closed", "The client closed the request.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import nullcontext
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -25,7 +26,7 @@ from dispatcher.api.refusals import backpressure as _backpressure
 from dispatcher.api.store import SubmitResult, record_of
 from dispatcher.api.submission import content_type, json_body, parse_submission
 from dispatcher.api.task_request import json_schema, upload_schema
-from dispatcher.api.waiters import unless_disconnected
+from dispatcher.api.waiters import Watch, unless_disconnected
 from dispatcher.contract.jobs import FINAL, chunk_item
 
 __all__ = ["router"]
@@ -138,21 +139,26 @@ async def submit_task(request: Request) -> JSONResponse:
             return await _submit_bulk(request, svc, principal, raw, kind in JSON_LINES)
     sub = await parse_submission(request, principal, svc.settings, svc.catalog, raw)
     add_headers(request, _class_headers(snap.classes[sub.cls]))
-    result = await admit(svc, sub, [record_of(sub)])
-    if result.verdict == "idempotency_key_reused":
-        raise ApiError(
-            422,
-            "idempotency_key_reused",
-            f"This Idempotency-Key was first used for another request (task {result.task_id}); "
-            "use a new key for a new request.",
-        )
-    headers = _accepted_headers(request, result)
+    record = record_of(sub)
     wait_s = prefer_wait(request.headers.getlist("prefer"), svc.settings.wait_max_s)
-    if wait_s is not None:
-        final = await _wait_final(request, svc, result.task_id, principal.task_scope, wait_s)
-        if final is not None:  # it ended within Prefer: wait: 200 with the final record
-            headers["Preference-Applied"] = f"wait={wait_s}"
-            return JSONResponse(final, status_code=200, headers=headers)
+    # Prefer: wait watches the task before it exists: its first read is its final one.
+    with svc.waiters.watch(record.task_id) if wait_s is not None else nullcontext() as watch:
+        result = await admit(svc, sub, [record])
+        if result.verdict == "idempotency_key_reused":
+            raise ApiError(
+                422,
+                "idempotency_key_reused",
+                f"This Idempotency-Key was first used for another request "
+                f"(task {result.task_id}); use a new key for a new request.",
+            )
+        headers = _accepted_headers(request, result)
+        if wait_s is not None:
+            # A replay answers with the first request's task, which this watch is not on.
+            fresh = watch if result.task_id == record.task_id else None
+            final = await _wait_final(request, svc, result.task_id, principal, wait_s, fresh)
+            if final is not None:  # it ended within Prefer: wait: 200 with the final record
+                headers["Preference-Applied"] = f"wait={wait_s}"
+                return JSONResponse(final, status_code=200, headers=headers)
     replay = result.verdict == "duplicate"
     est = result.estimated_wait_s
     body: dict[str, Any] = {
@@ -206,12 +212,22 @@ def _accepted_headers(request: Request, result: SubmitResult) -> dict[str, str]:
 
 
 async def _wait_final(
-    request: Request, svc: Services, task_id: str, scope: str | None, wait_s: float
+    request: Request,
+    svc: Services,
+    task_id: str,
+    principal: Principal,
+    wait_s: float,
+    fresh: Watch | None,
 ) -> dict[str, Any] | None:
     """The record once final within ``wait_s``, else None (also if the client left, or
     Redis failed meanwhile: the task is accepted, so the answer is the usual 202 with
-    its id, never a 503 that would invite a duplicate submit)."""
-    work = svc.waiters.until_final(task_id, scope, wait_s)
+    its id, never a 503 that would invite a duplicate submit). ``fresh``: a watch on
+    the task registered before it was created, else None."""
+    scope = principal.task_scope
+    if fresh is not None:
+        work = svc.waiters.wait_final(fresh, scope, wait_s, unread=False)
+    else:
+        work = svc.waiters.until_final(task_id, scope, wait_s)
     try:
         record = await unless_disconnected(request.receive, work)
     except RedisError as exc:
@@ -251,12 +267,17 @@ async def get_task(
     principal = await caller(request)
     wait_s = query_wait(wait, svc.settings.wait_max_s)
     record_id, index = split_item_id(task_id)  # an item of a chunk reads the chunk
-    record = await svc.store.get(record_id, principal.task_scope) if len(task_id) <= 64 else None
-    if record is None or (index is not None and not index < (record["items"] or 0)):
+    if len(task_id) > 64:
         raise _not_found(task_id)
-    if wait_s > 0 and record["status"] not in FINAL:
-        work = svc.waiters.until_final(record_id, principal.task_scope, wait_s)
-        record = await unless_disconnected(request.receive, work) or record
+    # A long-poll watches before its first read, so that read is the only one until a
+    # change that may end the task (no second read to start the wait).
+    with svc.waiters.watch(record_id) if wait_s > 0 else nullcontext() as watch:
+        record = await svc.store.get(record_id, principal.task_scope)
+        if record is None or (index is not None and not index < (record["items"] or 0)):
+            raise _not_found(task_id)
+        if watch is not None and record["status"] not in FINAL:
+            work = svc.waiters.wait_final(watch, principal.task_scope, wait_s, unread=False)
+            record = await unless_disconnected(request.receive, work) or record
     if index is not None:
         record = chunk_item(record, index)
     # Encoded as it is (not walked by FastAPI's encoder, which recursed out on a deep
