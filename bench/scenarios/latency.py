@@ -232,7 +232,10 @@ def measure(size: Size) -> dict[str, Any]:
     out: dict[str, Any] = {"modes": {}}
     with Stack() as stack:
         stack.gpulane_worker("lat0", serve=["interactive"])
-        api, url = stack.gpulane_api(CLASSES)
+        # The waiters' part holds its long-polls and its own client's connection open
+        # at once: one over the default max_connections (1,000), which would be
+        # answered 503 server_busy before the release (the guard doing its job).
+        api, url = stack.gpulane_api(CLASSES, max_connections=str(size.waiters + 8))
         with httpx.Client(base_url=url, timeout=30) as http:
             for mode in MODES[:3]:
                 _measure(http, mode, size.warmup)
