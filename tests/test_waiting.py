@@ -19,6 +19,7 @@ from support.lua import claim, register
 from support.lua import finish as finish_task
 from support.lua import submit as submit_task
 
+from dispatcher.api import waiters as waiters_module
 from dispatcher.api.deps import Services
 from dispatcher.api.store import TaskStore
 from dispatcher.api.waiters import Waiters
@@ -260,6 +261,64 @@ def test_subscription_comes_back_after_its_connection_dies(
     task = submit(http, "sleep", {"seconds": 0.5}, cls="interactive")
     record = http.get(f"/tasks/{task['id']}", params={"wait": 60}, timeout=10).json()
     assert record["status"] == "succeeded"
+
+
+class FreezingRelay:
+    """A TCP relay to Redis that can go silent without closing anything: what a
+    subscription sees when Redis' host vanishes without a reset (a half-open socket)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.frozen = False
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.frozen:  # a new connection after the freeze finds the host gone
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if not self.frozen:  # frozen: bytes vanish, nothing is closed
+                    dst.write(data)
+                    await dst.drain()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
+def test_a_subscription_whose_socket_goes_silent_is_found_lost(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PING unanswered by the next quiet tick ends the subscription: the watches
+    are woken (to read the record) and ``online`` falls, so a new wait reads first
+    instead of waiting for a notification that cannot come."""
+    monkeypatch.setattr(waiters_module, "IDLE_PING_S", 0.2)
+    port = int(redis_url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
+
+    async def scenario() -> tuple[bool, bool]:
+        relay = FreezingRelay(port)
+        client = aioredis.Redis(port=await relay.start())
+        hub = Waiters(client, TaskStore(client, make_settings(redis_url)))
+        hub.start()
+        await _until(lambda: hub.online)
+        with hub.watch("some-task") as watch:
+            relay.frozen = True
+            await _until(lambda: not hub.online)
+            woken = watch.pending and watch.final
+        await hub.stop()
+        await client.aclose()
+        assert relay.server is not None
+        relay.server.close()
+        return woken, hub.online
+
+    woken, online = asyncio.run(scenario())
+    assert woken  # as a possible end: the wait reads the record
+    assert not online
 
 
 def test_clients_wait_by_long_polling(http: httpx.Client, start_worker: WorkerFactory) -> None:

@@ -45,7 +45,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, Literal, TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError, RedisError
 
 from dispatcher.api.store import TaskStore
 from dispatcher.contract import keys
@@ -58,7 +58,8 @@ log = logging.getLogger("gpulane.api")
 
 OFFLINE_POLL_S = 1.0  # re-read period of a watch while the subscription is down
 ONLINE_POLL_S = 30.0  # safety re-read while it is up (a notification cannot be lost)
-IDLE_PING_S = 10.0  # a quiet subscription is PINGed this often (finds a dead socket)
+# A quiet subscription is PINGed this often; no PONG by the next quiet tick: it is lost.
+IDLE_PING_S = 10.0
 
 EventKind = Literal["status", "progress", "final", "keepalive"]
 NOT_FINAL = frozenset({"started", "progress"})  # published changes that cannot end a task
@@ -254,6 +255,7 @@ class Waiters:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self.online = False  # nothing wakes a watch now: a wait must not skip its read
 
     async def _run(self) -> None:
         backoff = Backoff(initial_s=0.1, cap_s=5.0)
@@ -273,10 +275,18 @@ class Waiters:
         pubsub = self.client.pubsub()
         try:
             await pubsub.subscribe(keys.EVENTS)
+            unanswered = False  # a PING sent at the last quiet tick, no PONG seen since
             while True:
                 message = await pubsub.get_message(timeout=IDLE_PING_S)
                 if message is None:
+                    if unanswered:
+                        # A half-open socket (its host gone without a reset, as in a
+                        # failover) reads as a quiet channel for as long as TCP lasts.
+                        raise ConnectionError(f"no PONG within {IDLE_PING_S:g} s")
                     await pubsub.ping()
+                    unanswered = True
+                elif message["type"] == "pong":
+                    unanswered = False
                 elif message["type"] == "message":
                     data = message["data"]
                     self._wake(data.decode() if isinstance(data, bytes) else str(data))
