@@ -25,9 +25,9 @@ def test_concurrent_calls_share_pipelines(redis_url: str) -> None:
         sent: list[int] = []
         execute = coalescer._execute
 
-        async def counting(sha: str, calls: list) -> list:  # type: ignore[type-arg]
+        async def counting(calls: list, load: bool = False) -> list:  # type: ignore[type-arg]
             sent.append(len(calls))
-            return await execute(sha, calls)
+            return await execute(calls, load)
 
         coalescer._execute = counting  # type: ignore[method-assign]
         replies = await asyncio.gather(*(coalescer.call(str(i)) for i in range(100)))
@@ -114,3 +114,47 @@ def test_a_reply_lost_after_the_script_ran_is_not_sent_again(
     first, runs = asyncio.run(run())
     assert isinstance(first, RedisConnectionError), first
     assert runs == b"1"  # ran once
+
+
+def test_the_sha_is_the_one_redis_gives_the_script(redis_url: str) -> None:
+    """The script goes by a sha computed here (SCRIPT LOAD rides with the first calls
+    instead of a round trip of its own): it must be Redis' own."""
+    source = "return {ARGV[1], 'é'}"  # not ASCII: hashed as the bytes Redis receives
+
+    async def run() -> tuple[str, str, Any]:
+        client = aioredis.Redis.from_url(redis_url)
+        coalescer = Coalescer(client, source)
+        reply = await coalescer.call("x")
+        loaded = str(await client.script_load(source))
+        await client.aclose()
+        return coalescer.sha, loaded, reply
+
+    sha, loaded, reply = asyncio.run(run())
+    assert sha == loaded
+    assert reply == [b"x", "é".encode()]
+
+
+def test_a_round_trip_canceled_under_way_cancels_its_callers() -> None:
+    """The flushing task canceled mid-round-trip (the event loop closing): its batch's
+    callers end canceled instead of waiting forever for an answer nobody will give."""
+
+    async def run() -> bool:
+        async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # takes the request, never answers
+
+        server = await asyncio.start_server(mute, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = aioredis.Redis(port=port)
+        coalescer = Coalescer(client, ECHO)
+        call = asyncio.create_task(coalescer.call("x"))
+        async with asyncio.timeout(10):
+            while coalescer._flusher is None or coalescer._pending:
+                await asyncio.sleep(0.01)  # the call is out, its reply awaited
+        coalescer._flusher.cancel()
+        async with asyncio.timeout(10):
+            outcome = await asyncio.gather(call, return_exceptions=True)
+        server.close()
+        await client.aclose()
+        return isinstance(outcome[0], asyncio.CancelledError)
+
+    assert asyncio.run(run())

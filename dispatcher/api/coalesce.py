@@ -17,6 +17,7 @@ replicas hold every write of the pipeline (``min_replica_acks``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,16 +39,20 @@ class Coalescer:
         self.client = client
         self.source = source
         self.wait = wait
-        self.sha: str | None = None
+        # The script's name on the server, as SCRIPT LOAD answers it (an id, no secret).
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+        # SCRIPT LOAD goes in the same round trip as the first calls (and as the retry
+        # after NOSCRIPT): on the connection, so on the server, that runs them, even
+        # when a failover put a fresh master behind the pool since the last load.
+        self._loaded = False
         self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
-        self._flushing = False
+        self._flusher: asyncio.Task[None] | None = None  # held: the loop keeps a weak ref
 
     async def call(self, *args: Any) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((args, future))
-        if not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().create_task(self._flush())
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
         return await future
 
     async def _flush(self) -> None:
@@ -57,21 +62,24 @@ class Coalescer:
                 del self._pending[:_MAX_BATCH]
                 await self._send(batch)
         finally:
-            self._flushing = False
+            self._flusher = None
 
     async def _send(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> None:
+        calls = [args for args, _ in batch]
         try:
-            sha = self.sha or str(await self.client.script_load(self.source))
-            self.sha = sha
-            replies = await self._execute(sha, [args for args, _ in batch])
+            replies = await self._execute(calls, load=not self._loaded)
+            self._loaded = True
             retry = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-            if retry:  # Redis restarted or was flushed: load the script again, retry those
-                sha = self.sha = str(await self.client.script_load(self.source))
-                again = await self._execute(sha, [batch[i][0] for i in retry])
+            if retry:  # Redis restarted, was flushed or failed over: load it with the retry
+                again = await self._execute([calls[i] for i in retry], load=True)
                 for i, reply in zip(retry, again, strict=True):
                     replies[i] = reply
+        except asyncio.CancelledError:  # the loop is closing: nothing else would answer them
+            for _, future in batch:
+                future.cancel()
+            raise
         except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the failure
-            self.sha = None
+            self._loaded = False
             replies = [exc] * len(batch)
         for (_, future), reply in zip(batch, replies, strict=True):
             if future.done():  # the caller went away (request canceled)
@@ -81,11 +89,17 @@ class Coalescer:
             else:
                 future.set_result(reply)
 
-    async def _execute(self, sha: str, calls: list[tuple[Any, ...]]) -> list[Any]:
-        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, 0, *args) for args in calls]
+    async def _execute(self, calls: list[tuple[Any, ...]], load: bool = False) -> list[Any]:
+        """One round trip: ``SCRIPT LOAD`` first if ``load``, an ``EVALSHA`` per call,
+        then ``WAIT`` if this coalescer waits for replicas; a reply (or its error) per
+        call, paired with the replicas' acks when it waits."""
+        commands: list[tuple[Any, ...]] = [("SCRIPT", "LOAD", self.source)] if load else []
+        commands += [("EVALSHA", self.sha, 0, *args) for args in calls]
         if self.wait is not None:
             commands.append(("WAIT", *self.wait))
         replies = await _exchange(self.client, commands)
+        if load:  # the sha, or a refusal each EVALSHA then answers NOSCRIPT to as well
+            replies.pop(0)
         if self.wait is None:
             return replies
         acks = replies.pop()
