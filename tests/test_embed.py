@@ -92,3 +92,23 @@ def test_a_model_that_fails_to_load_makes_the_worker_unhealthy(
     assert worker.process.wait(60) == EXIT_UNHEALTHY, worker.output()
     assert "loading model test/broken failed" in worker.output()
     assert "no weights for cpu" in worker.output()
+
+
+@MODELS
+def test_token_counts_and_vectors_come_from_the_one_pass() -> None:
+    """The handler tokenizes once: each count is the tokenizer's whole output (special
+    tokens included), also for a text past the model's 256-token window, and each
+    vector is ``model.encode``'s normalised one."""
+    import numpy as np
+
+    from worker.tasks import embed
+
+    embed.load_model("cpu")
+    model = embed._loaded["model"]
+    texts = ["hello world", "word " * 400, "  spaced  out  ", "é ü 汉字 🙂", "a b c " * 30]
+    vectors, tokens = embed._encode(texts)
+    assert tokens == [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
+    assert tokens[0] == 4 and tokens[1] > model.max_seq_length  # counted whole, not 256
+    expected = model.encode(texts, normalize_embeddings=True, show_progress_bar=False)
+    assert vectors.shape == (len(texts), 384)
+    assert np.allclose(vectors, expected, atol=1e-6)

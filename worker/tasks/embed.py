@@ -52,16 +52,29 @@ def load_model(device: str) -> None:
 def _encode(texts: list[str]) -> tuple[Any, list[int]]:
     """Normalised embeddings (a numpy array) and each text's token count (the
     tokenizer's whole output, special tokens included; the model reads the first
-    ``max_seq_length``, 256, of them)."""
+    ``max_seq_length``, 256, of them).
+
+    One tokenization: the counts come from the attention masks of the model's own
+    pass (``output_value=None`` keeps them), not from a second tokenizer call, which
+    cost 1.4-3 ms per 64 short texts and ~13 ms per 64 long ones on 2 CPU cores: on a
+    GPU as much as the forward itself. Only a text that filled the window is counted
+    again, whole."""
+    import torch
+
     model = _loaded["model"]
-    tokens = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
-    vectors = model.encode(
-        texts,
-        batch_size=len(texts),
-        normalize_embeddings=True,
-        convert_to_numpy=True,
-        show_progress_bar=False,
+    outputs = model.encode(texts, batch_size=len(texts), output_value=None, show_progress_bar=False)
+    embeddings = torch.stack([out["sentence_embedding"] for out in outputs])
+    vectors = torch.nn.functional.normalize(embeddings, p=2, dim=1).cpu().numpy()
+    masks = torch.nn.utils.rnn.pad_sequence(
+        [out["attention_mask"] for out in outputs], batch_first=True
     )
+    tokens = [int(n) for n in masks.sum(dim=1).tolist()]
+    window = model.max_seq_length
+    full = [i for i, n in enumerate(tokens) if n >= window]
+    if full:  # truncated to the window: the usage counts what was sent
+        counts = model.tokenizer([texts[i] for i in full])["input_ids"]
+        for i, ids in zip(full, counts, strict=True):
+            tokens[i] = len(ids)
     return vectors, tokens
 
 
