@@ -4,8 +4,10 @@ through processes (a lease lost while the worker lives on, an outage of the reap
 from __future__ import annotations
 
 import json
+import time
 
 import redis
+from redis.client import PubSub
 from support.lua import CLASSES, SETTINGS, claim, claim_tasks, register, submit
 from support.lua import finish as _finish
 
@@ -163,9 +165,13 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
         assert s.run("progress", step, json.dumps({"fraction": 0.5, "message": "half"})) == 1
         assert _finish(s, "w", claimed, {}) == b"ok"  # final: published
     assert not r.exists(keys.file(task_id))
+    # A marker published last arrives after everything the scripts published before it
+    # (one server, one channel, in order): read up to it, with a deadline.
+    r.publish(keys.EVENTS, "end of the test")
     published = []
-    while (message := events.get_message(timeout=0.5)) is not None:  # read them all
-        published.append(message["data"].decode())
+    deadline = time.monotonic() + 10
+    while (data := _next_event(events, deadline)) != "end of the test":
+        published.append(data)
     # Submit publishes nothing; a start and a progress step say so, an end is the bare id.
     assert published == [
         *(f"{task_id} started", f"{task_id} progress", task_id),
@@ -174,6 +180,16 @@ def test_changes_are_published_and_an_upload_goes_when_its_task_ends(r: redis.Re
     # The kinds the scripts publish are the ones the API's waiters read no record for.
     assert {m.partition(" ")[2] for m in published} - {""} == NOT_FINAL
     events.close()
+
+
+def _next_event(events: PubSub, deadline: float) -> str:
+    """The next message's data on a subscription, waiting up to ``deadline``."""
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, "no message before the deadline"
+        message = events.get_message(timeout=left)
+        if message is not None and message["type"] == "message":
+            return str(message["data"].decode())
 
 
 def test_a_dead_workers_task_is_published_when_given_back(r: redis.Redis) -> None:
