@@ -112,3 +112,28 @@ def test_token_counts_and_vectors_come_from_the_one_pass() -> None:
     expected = model.encode(texts, normalize_embeddings=True, show_progress_bar=False)
     assert vectors.shape == (len(texts), 384)
     assert np.allclose(vectors, expected, atol=1e-6)
+
+
+@MODELS
+def test_base64_vectors_are_the_float_vectors_packed() -> None:
+    """``encoding_format: "base64"`` (what /v1/embeddings asks for) gives the very floats
+    of ``"float"``, packed as OpenAI packs them; items of one batch may ask either way."""
+    import base64
+    import struct
+
+    from worker.tasks import embed
+
+    embed.load_model("cpu")
+    texts = ["hello world", "gpulane dispatches GPU work"]
+    floats = embed.embed([embed.EmbedArgs(text=t) for t in texts], [])
+    mixed = [
+        embed.EmbedArgs(text=texts[0], encoding_format="base64"),
+        embed.EmbedArgs(text=texts[1]),
+    ]
+    packed = embed.embed(mixed, [])
+    raw = base64.b64decode(packed[0]["embedding"])
+    assert list(struct.unpack("<384f", raw)) == floats[0]["embedding"]  # exact, not approx
+    assert packed[1] == floats[1]
+    assert {k: v for k, v in packed[0].items() if k != "embedding"} == {
+        k: v for k, v in floats[0].items() if k != "embedding"
+    }

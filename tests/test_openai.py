@@ -17,6 +17,8 @@ import openai
 import pytest
 import redis
 from conftest import WorkerFactory, make_settings
+from gl_vector_tasks import MODEL as VECTORS
+from gl_vector_tasks import NO_VECTOR, vector
 from support.catalog import tenant
 from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
@@ -76,6 +78,17 @@ def test_embeddings_through_the_sdk(
     assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(
         vectors[0], abs=1e-5
     )
+    # The route asked the task for packed vectors: its chunks' results hold base64, a
+    # quarter of the bytes of JSON numbers, passed through to a base64 client as is.
+    chunks = [k for k in r.scan_iter("rq:job:*") if r.hget(k, "items")]
+    assert chunks
+    for key in chunks:
+        record = httpx.get(
+            f"{api.url}/tasks/{key.decode().removeprefix('rq:job:')}",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=10,
+        ).json()
+        assert all(isinstance(x["embedding"], str) for x in record["result"]["results"])
 
 
 def _tokens(api: ApiServer, text: str) -> int:
@@ -212,3 +225,24 @@ def test_a_key_without_the_class_is_refused(
         client.embeddings.create(model=MODEL, input="x")
     assert raised.value.status_code == 403
     assert r.llen("rq:queue:interactive") == 0
+
+
+def test_a_model_type_of_ones_own_gets_texts_and_gives_numbers(
+    api: ApiServer, sdk: openai.OpenAI, start_worker: WorkerFactory
+) -> None:
+    """A type whose args do not take ``encoding_format`` is sent texts alone (its
+    ``extra="forbid"`` would refuse more), and its JSON numbers reach a float client as
+    they are and a base64 client packed. A result without a vector is a 502 naming the
+    input, not a 500."""
+    start_worker("vectors-w", extra=["--tasks", "gl_vector_tasks"])
+    texts = ["a", "bbb"]
+    packed = sdk.embeddings.create(model=VECTORS, input=texts)  # the SDK asks for base64
+    floats = sdk.embeddings.create(model=VECTORS, input=texts, encoding_format="float")
+    assert [d.embedding for d in floats.data] == [vector(t) for t in texts]
+    assert [d.embedding for d in packed.data] == [vector(t) for t in texts]
+    assert floats.usage.prompt_tokens == 2
+    with pytest.raises(openai.APIStatusError) as raised:
+        sdk.embeddings.create(model=VECTORS, input=["a", NO_VECTOR], encoding_format="float")
+    assert raised.value.status_code == 502
+    error = raised.value.response.json()["error"]
+    assert error["code"] == "invalid_result" and error["message"].startswith("input[1]:")

@@ -13,10 +13,7 @@ status the official SDK expects; the ``Retry-After`` and rate-limit headers are 
 
 from __future__ import annotations
 
-import array
 import asyncio
-import base64
-import sys
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -47,6 +44,7 @@ from dispatcher.api.openai_shape import responses as _errors
 from dispatcher.api.store import Record, Submission
 from dispatcher.api.submission import check_value, gpu_memory, limited_body
 from dispatcher.api.waiters import unless_disconnected
+from dispatcher.contract import vectors
 from dispatcher.contract.generation import Kind
 from dispatcher.contract.jobs import FINAL, ErrorCode, TaskStatus, chunk_item
 from dispatcher.contract.strict_json import loads_strict
@@ -183,8 +181,10 @@ async def _pack(
     gpu_mb = gpu_memory(None, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
     chunk = info.chunk_size(svc.settings) if info else 1
     packer = Packer()
+    packed = info is not None and info.packs_base64
     for text in texts:
-        packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
+        args = {"text": text, "encoding_format": vectors.BASE64} if packed else {"text": text}
+        packer.add(task_type, args, timeout_s, gpu_mb, chunk)
     records, _ = packer.done()
     sub = Submission(
         task_type,
@@ -224,6 +224,13 @@ def _item_error(record: dict[str, Any], index: int) -> ApiError:
     return ApiError(status, code, message, headers=headers)
 
 
+def _bad_result(index: int, exc: Exception) -> ApiError:
+    """A task that succeeded with no usable embedding: the model's fault (502)."""
+    why = f"{type(exc).__name__}: {exc}"[:200]
+    message = f"input[{index}]: the task's result holds no embedding ({why})."
+    return ApiError(502, ErrorCode.INVALID_RESULT, message)
+
+
 def _items(records: list[dict[str, Any] | None]) -> Iterator[dict[str, Any]]:
     """Each input's record, in order: a task's own, or its item of a chunk."""
     for record in records:
@@ -235,14 +242,13 @@ def _items(records: list[dict[str, Any] | None]) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def _encode(vector: list[float], fmt: str) -> list[float] | str:
-    """A vector as OpenAI sends it: floats, or base64 of little-endian float32."""
-    if fmt == "float":
-        return vector
-    packed = array.array("f", vector)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode()
+def _encode(vector: list[float] | str, fmt: str) -> list[float] | str:
+    """A vector as OpenAI sends it: floats, or base64 of little-endian float32. A task
+    asked for base64 (``packs_base64``) gave it packed: passed through as it is, or
+    unpacked for a float client."""
+    if isinstance(vector, str):
+        return vector if fmt == vectors.BASE64 else vectors.unpack(vector)
+    return vector if fmt == vectors.FLOAT else vectors.pack_floats(vector)
 
 
 @router.post(
@@ -312,15 +318,20 @@ async def _embeddings(request: Request) -> Response:
         if item["status"] != TaskStatus.SUCCEEDED:
             raise _item_error(item, index)
         result = item["result"]
-        vector = result["embedding"]
-        if dimensions is not None and dimensions != len(vector):
+        try:
+            vector = result["embedding"]
+            gives = vectors.dimensions(vector)
+            embedding = _encode(vector, fmt)
+            tokens += int(result.get("tokens", 0))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # VectorError too
+            raise _bad_result(index, exc) from None
+        if dimensions is not None and dimensions != gives:
             raise _invalid(
-                f"The model {model!r} gives {len(vector)} dimensions and cannot give "
+                f"The model {model!r} gives {gives} dimensions and cannot give "
                 f"{dimensions}; leave 'dimensions' out.",
                 "dimensions",
             )
-        tokens += int(result.get("tokens", 0))
-        data.append({"object": "embedding", "index": index, "embedding": _encode(vector, fmt)})
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
     answer = {
         "object": "list",
         "data": data,

@@ -1,0 +1,88 @@
+"""Embedding vectors as OpenAI's ``encoding_format: "base64"`` packs them: base64 of
+little-endian float32, the one packing the worker writes and the API reads.
+
+Why a task result may hold a vector this way: a chunk of 64 vectors of 384 floats is
+about 500 KB as JSON numbers and 130 KB packed, and on 2 CPU cores writing it cost the
+worker 1.5 ms (``tolist`` and orjson) against 0.3 ms packed, and reading it back cost
+the API 0.9 ms against 0.06 ms: on a GPU, as long as the forward pass itself. Packed,
+the API answers a base64 client (the official SDK's default) without unpacking.
+
+The float32 values are the model's own, so unpacking gives exactly the floats
+``tolist()`` gives: a client asking for ``float`` reads the same numbers either way.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import binascii
+import sys
+from collections.abc import Sequence
+from typing import Literal
+
+__all__ = [
+    "BASE64",
+    "FLOAT",
+    "EncodingFormat",
+    "VectorError",
+    "dimensions",
+    "pack",
+    "pack_floats",
+    "unpack",
+]
+
+EncodingFormat = Literal["float", "base64"]  # OpenAI's encoding_format, in request models
+FLOAT: EncodingFormat = "float"
+BASE64: EncodingFormat = "base64"
+
+_LITTLE = sys.byteorder == "little"
+
+
+class VectorError(ValueError):
+    """A packed vector that is not base64 of whole float32 values."""
+
+
+def pack(little_endian_f32: bytes) -> str:
+    """Base64 of float32 bytes already in little-endian order (numpy ``astype("<f4")``)."""
+    return base64.b64encode(little_endian_f32).decode("ascii")
+
+
+def pack_floats(values: Sequence[float]) -> str:
+    """Base64 of ``values`` as little-endian float32."""
+    packed = array.array("f", values)
+    if not _LITTLE:
+        packed.byteswap()
+    return pack(packed.tobytes())
+
+
+def _raw(text: str) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise VectorError(f"not base64: {exc}") from None
+    if len(raw) % 4:
+        raise VectorError(f"{len(raw)} bytes are not whole float32 values")
+    return raw
+
+
+def unpack(text: str) -> list[float]:
+    """The floats of a packed vector, or VectorError."""
+    values = array.array("f", _raw(text))
+    if not _LITTLE:
+        values.byteswap()
+    return values.tolist()
+
+
+def dimensions(vector: str | Sequence[float]) -> int:
+    """How many values a vector holds, packed or not, from a packed one's length alone:
+    VectorError where that length cannot be base64 of whole float32 values. Its
+    characters are checked where it is unpacked; passed through to a base64 client,
+    a bad one fails that client's decoding, loudly (decoding every vector to check it
+    would cost the API ~5 us per vector, 10 ms per call of 2,048, on 2 CPU cores)."""
+    if not isinstance(vector, str):
+        return len(vector)
+    padding = len(vector) - len(vector.rstrip("="))
+    size = len(vector) * 3 // 4 - padding
+    if len(vector) % 4 or padding > 2 or size % 4:
+        raise VectorError(f"{len(vector)} characters are not base64 of whole float32 values")
+    return size // 4
