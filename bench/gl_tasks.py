@@ -4,8 +4,10 @@
 its handler began: the bench process compares it with the moment its submit returned
 (same host, same clock) to get submit->start latency without an extra Redis write.
 
-``bench.batch_noop`` and ``bench.batch_vector`` are batched (64 items): a small result and a
-384-float vector per item, the dispatch cost of batched inference without a model.
+``bench.batch_noop``, ``bench.batch_vector`` and ``bench.batch_packed`` are batched (64
+items): a small result, a 384-float vector as JSON numbers, or the same vector packed
+as ``/v1/embeddings`` has ``embed`` return it (base64 of float32), per item: the
+dispatch cost of batched inference without a model.
 
 ``bench.sleep`` holds the worker for ``seconds`` times this worker's slowdown, read
 once from ``BENCH_SLOWDOWN`` (default 1; the ``mixed`` scenario starts its slow workers
@@ -20,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dispatcher.contract import vectors
 from worker.registry import Batch, TaskContext, task
 
 
@@ -68,6 +71,16 @@ VECTOR = [0.015625 * (i % 64) for i in range(384)]  # an embedding's size (all-M
 def batch_vector(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
     """Batched: a 384-float vector per item, what an embedding returns, with no model."""
     return [{"embedding": VECTOR} for _ in batch]
+
+
+PACKED = vectors.pack_floats(VECTOR)
+
+
+@task("bench.batch_packed", batch=Batch(max_size=64, max_wait_ms=5))
+def batch_packed(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Batched: the 384-float vector packed (base64 of little-endian float32), as
+    ``embed`` returns it to ``/v1/embeddings``, with no model."""
+    return [{"embedding": PACKED} for _ in batch]
 
 
 @task("bench.long")

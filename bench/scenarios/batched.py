@@ -4,9 +4,11 @@ What a request's items cost when they travel together (``docs/design.md`` §4):
 
 - drain: a class queue filled first through the real API with N items of a batched
   type (``bench.batch_noop``: a small result; ``bench.batch_vector``: a 384-float
-  vector, an embedding's size), submitted as bulk ``POST /tasks`` requests of up to
-  10,000 (packed into chunks of the type's batch size, 64); then one worker drains
-  it. Items/s from the first chunk's start to the last one's end (Redis clock).
+  vector, an embedding's size, as JSON numbers; ``bench.batch_packed``: the same vector
+  packed, base64 of float32, as ``embed`` gives it to ``/v1/embeddings``), submitted
+  as bulk ``POST /tasks`` requests of up to 10,000 (packed into chunks of the type's
+  batch size, 64); then one worker drains it. Items/s from the first chunk's start to
+  the last one's end (Redis clock).
 - Redis commands per item over the whole life of those items: ``CONFIG RESETSTAT``
   before the first submit, ``INFO commandstats`` once the last chunk ended, divided
   by N (commands inside scripts counted, as in the overhead scenario; the bench's own
@@ -34,7 +36,11 @@ from dispatcher.contract import keys
 from testkit import wait_for
 
 CLASS = "batch"
-TYPES = {"batch_noop": "bench.batch_noop", "batch_vector": "bench.batch_vector"}
+TYPES = {
+    "batch_noop": "bench.batch_noop",
+    "batch_vector": "bench.batch_vector",
+    "batch_packed": "bench.batch_packed",
+}
 # The same-run baseline: the no-op with batching off (API and worker), a task per item.
 OFF = {"types": json.dumps({"bench.batch_noop": {"batch_max_size": 1}})}
 # The API publishes these types' catalog at start, so it admits them with no worker up.
@@ -173,6 +179,7 @@ def run(size: str, outdir: Path) -> Report:
         for name, d in (
             ("bench.batch_noop", noop),
             ("bench.batch_vector (384 floats)", vector),
+            ("bench.batch_packed (384 float32, base64)", data["batch_packed"]),
             ("bench.batch_noop, batching off (a task per item)", data["batch_off"]),
         )
     ]
@@ -218,8 +225,9 @@ def run(size: str, outdir: Path) -> Report:
 
 def _chart(data: dict[str, Any], outdir: Path) -> str:
     fig, (left, right) = figure(9.0, 3.2, ncols=2)
-    drained = [data["batch_noop"]["items_per_s"], data["batch_vector"]["items_per_s"]]
-    _bars(left, ["no-op", "384 floats"], drained, "items/s", "One worker drains batched items")
+    drained = [data[name]["items_per_s"] for name in TYPES]
+    labels = ["no-op", "384 floats", "384, packed"]
+    _bars(left, labels, drained, "items/s", "One worker drains batched items")
     bulk = [data["bulk_unbatched"]["tasks_per_s"], data["bulk_distinct"]["tasks_per_s"]]
     _bars(right, ["unbatched", "batched, distinct"], bulk, "tasks/s", "One bulk POST of 10,000")
     return save(fig, outdir, "batched.png")
