@@ -116,24 +116,33 @@ def test_token_counts_and_vectors_come_from_the_one_pass() -> None:
 
 @MODELS
 def test_base64_vectors_are_the_float_vectors_packed() -> None:
-    """``encoding_format: "base64"`` (what /v1/embeddings asks for) gives the very floats
-    of ``"float"``, packed as OpenAI packs them; items of one batch may ask either way."""
+    """A requester that takes vectors packed (``ctx.encoding_format``, what
+    /v1/embeddings asks for) gets the very floats of ``"float"``, packed as OpenAI
+    packs them; items of one batch may ask either way. NaN fails its item alone."""
     import base64
     import struct
+    from types import SimpleNamespace
 
+    import numpy as np
+
+    from worker.registry import TaskFailure
     from worker.tasks import embed
 
     embed.load_model("cpu")
     texts = ["hello world", "gpulane dispatches GPU work"]
-    floats = embed.embed([embed.EmbedArgs(text=t) for t in texts], [])
-    mixed = [
-        embed.EmbedArgs(text=texts[0], encoding_format="base64"),
-        embed.EmbedArgs(text=texts[1]),
-    ]
-    packed = embed.embed(mixed, [])
+    args = [embed.EmbedArgs(text=t) for t in texts]
+    as_float, as_base64 = (
+        SimpleNamespace(encoding_format="float"),
+        SimpleNamespace(encoding_format="base64"),
+    )
+    floats = embed.embed(args, [as_float, as_float])  # type: ignore[list-item]
+    packed = embed.embed(args, [as_base64, as_float])  # type: ignore[list-item]
     raw = base64.b64decode(packed[0]["embedding"])
     assert list(struct.unpack("<384f", raw)) == floats[0]["embedding"]  # exact, not approx
     assert packed[1] == floats[1]
     assert {k: v for k, v in packed[0].items() if k != "embedding"} == {
         k: v for k, v in floats[0].items() if k != "embedding"
     }
+    broken = np.array([0.5, np.nan, 0.25], dtype="<f4")
+    failed = embed._result(broken, "base64", 3)
+    assert isinstance(failed, TaskFailure) and failed.code == "invalid_result"

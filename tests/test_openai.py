@@ -75,9 +75,8 @@ def test_embeddings_through_the_sdk(
         timeout=60,
     ).json()
     packed = base64.b64decode(raw["data"][0]["embedding"])
-    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(
-        vectors[0], abs=1e-5
-    )
+    # One text, one batch each: the same float32 values, bit for bit, either way.
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == floats.data[0].embedding
     # The route asked the task for packed vectors: its chunks' results hold base64, a
     # quarter of the bytes of JSON numbers, passed through to a base64 client as is.
     chunks = [k for k in r.scan_iter("rq:job:*") if r.hget(k, "items")]
@@ -230,10 +229,9 @@ def test_a_key_without_the_class_is_refused(
 def test_a_model_type_of_ones_own_gets_texts_and_gives_numbers(
     api: ApiServer, sdk: openai.OpenAI, start_worker: WorkerFactory
 ) -> None:
-    """A type whose args do not take ``encoding_format`` is sent texts alone (its
-    ``extra="forbid"`` would refuse more), and its JSON numbers reach a float client as
-    they are and a base64 client packed. A result without a vector is a 502 naming the
-    input, not a 500."""
+    """A type that ignores the request's ``encoding_format`` (``ctx``) gives JSON
+    numbers: they reach a float client as they are and a base64 client packed. A
+    result without a vector is a 502 naming the input, not a 500."""
     start_worker("vectors-w", extra=["--tasks", "gl_vector_tasks"])
     texts = ["a", "bbb"]
     packed = sdk.embeddings.create(model=VECTORS, input=texts)  # the SDK asks for base64
@@ -241,6 +239,13 @@ def test_a_model_type_of_ones_own_gets_texts_and_gives_numbers(
     assert [d.embedding for d in floats.data] == [vector(t) for t in texts]
     assert [d.embedding for d in packed.data] == [vector(t) for t in texts]
     assert floats.usage.prompt_tokens == 2
+    raw = httpx.post(  # the SDK decodes a list it got back too: read the wire
+        f"{api.url}/v1/embeddings",
+        json={"model": VECTORS, "input": "bbb", "encoding_format": "base64"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ).json()
+    assert raw["data"][0]["embedding"] == base64.b64encode(struct.pack("<3f", 3, 0, 0.5)).decode()
     with pytest.raises(openai.APIStatusError) as raised:
         sdk.embeddings.create(model=VECTORS, input=["a", NO_VECTOR], encoding_format="float")
     assert raised.value.status_code == 502

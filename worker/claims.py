@@ -48,6 +48,7 @@ class Claimed:
     parent: str = ""
     part: int | None = None
     merge: str = ""
+    encoding_format: str = "float"  # how the requester takes vectors (ctx.encoding_format)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def parse_claimed(reply: list[Any], class_timeout_s: Callable[[str], float]) -> 
     (task_id, cls, data, attempt, timeout, created, started, file, task_type, items, tenant) = (
         reply[:11]
     )
-    parent, part, merge = reply[11:14]
+    parent, part, merge, encoding_format = reply[11:15]
     return Claimed(
         task_id=as_text(task_id),
         cls=as_text(cls),
@@ -123,4 +124,5 @@ def parse_claimed(reply: list[Any], class_timeout_s: Callable[[str], float]) -> 
         parent=as_text(parent),
         part=int(part) if part else None,
         merge=as_text(merge),
+        encoding_format=as_text(encoding_format) or "float",
     )

@@ -195,6 +195,7 @@ class RunningTask:
         self.claimed = claimed
         self.parent = claimed.parent or None
         self.part = claimed.part
+        self.encoding_format = claimed.encoding_format
         self._splitter = splitter
         self.log = logging.LoggerAdapter(
             log, {"worker": worker, "task": self.task_id, "class": self.task_class}

@@ -131,6 +131,10 @@ class TaskContext(Protocol):
     log: logging.LoggerAdapter[logging.Logger]
     parent: str | None  # a part's: the id of the task it is part of; else None
     part: int | None  # a part's index among its parent's parts (0 first); else None
+    # How the requester takes embedding vectors: "float" (a list of numbers, the
+    # default) or "base64" (little-endian float32, dispatcher.contract.vectors.pack),
+    # which /v1/embeddings asks for. A handler may ignore it: the route takes either.
+    encoding_format: str
 
     def map(
         self,

@@ -72,6 +72,9 @@ class Record:
     task_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     routed: bool = False  # a backend model's type: only its backend workers take it
     tpm: int = 0  # model tokens its tenant's tpm budget was charged (settled later)
+    # How the requester takes embedding vectors (the handler's ctx.encoding_format):
+    # /v1/embeddings asks for base64, packed (dispatcher.contract.vectors).
+    encoding_format: str = "float"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -85,6 +88,8 @@ class Record:
             out["routed"] = True
         if self.tpm:
             out["tpm"] = self.tpm
+        if self.encoding_format != "float":
+            out["encoding_format"] = self.encoding_format
         return out
 
 

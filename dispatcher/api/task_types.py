@@ -32,7 +32,7 @@ from jsonschema.exceptions import SchemaError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from dispatcher.contract import keys, vectors
+from dispatcher.contract import keys
 from dispatcher.contract.catalog import CatalogError, catalog_command, parse_catalog
 from dispatcher.contract.settings import Settings
 
@@ -58,9 +58,6 @@ class TaskTypeInfo:
     batch_size: int = 0  # a batched type's Batch.max_size; 0: not batched
     backend: bool = False  # a backend model's type, routed to its backend workers
     context_length: int | None = None  # a backend model's context, when its server says
-    # Its args take OpenAI's encoding_format with "base64": /v1/embeddings asks for
-    # packed vectors (dispatcher.contract.vectors), not JSON numbers.
-    packs_base64: bool = False
 
     def chunk_size(self, settings: Settings) -> int:
         """Items one record of a request holds: a batched type's batch size (its
@@ -114,19 +111,7 @@ def _parse(name: str, raw: bytes) -> TaskTypeInfo | None:
         batch_size=batch_size,
         backend=entry.get("backend") is True,
         context_length=context_length,
-        packs_base64=_takes_base64(schema),
     )
-
-
-def _takes_base64(schema: Any) -> bool:
-    """Whether an args schema has ``encoding_format`` with ``"base64"`` among its values
-    (pydantic writes a Literal as ``enum``, one value as ``const``)."""
-    properties = schema.get("properties") if isinstance(schema, dict) else None
-    field = properties.get("encoding_format") if isinstance(properties, dict) else None
-    if not isinstance(field, dict):
-        return False
-    values = field.get("enum", [field.get("const")])
-    return isinstance(values, list) and vectors.BASE64 in values
 
 
 async def configured_catalog(modules: list[str], timeout_s: float) -> dict[str, str]:

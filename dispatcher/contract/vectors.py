@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import math
 import sys
 from collections.abc import Sequence
 from typing import Literal
@@ -48,11 +49,23 @@ def pack(little_endian_f32: bytes) -> str:
 
 
 def pack_floats(values: Sequence[float]) -> str:
-    """Base64 of ``values`` as little-endian float32."""
-    packed = array.array("f", values)
+    """Base64 of ``values`` as little-endian float32; VectorError unless they are one or
+    more numbers, each finite as a float32 (1e39 would pack as inf)."""
+    try:
+        packed = array.array("f", values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise VectorError(f"not a list of numbers: {exc}") from None
+    _check(packed)
     if not _LITTLE:
         packed.byteswap()
     return pack(packed.tobytes())
+
+
+def _check(values: array.array[float]) -> None:
+    # A sum of float32 values cannot overflow a double: inf or NaN here is one of them.
+    if not values or not math.isfinite(sum(values)):
+        what = "no values" if not values else "a value that is NaN or inf"
+        raise VectorError(f"the vector holds {what}")
 
 
 def _raw(text: str) -> bytes:
@@ -66,23 +79,26 @@ def _raw(text: str) -> bytes:
 
 
 def unpack(text: str) -> list[float]:
-    """The floats of a packed vector, or VectorError."""
+    """The floats of a packed vector, or VectorError (not base64 of one or more finite
+    float32 values)."""
     values = array.array("f", _raw(text))
     if not _LITTLE:
         values.byteswap()
+    _check(values)
     return values.tolist()
 
 
 def dimensions(vector: str | Sequence[float]) -> int:
     """How many values a vector holds, packed or not, from a packed one's length alone:
-    VectorError where that length cannot be base64 of whole float32 values. Its
-    characters are checked where it is unpacked; passed through to a base64 client,
-    a bad one fails that client's decoding, loudly (decoding every vector to check it
-    would cost the API ~5 us per vector, 10 ms per call of 2,048, on 2 CPU cores)."""
+    VectorError where that length cannot be base64 of one or more whole float32 values.
+    Its characters and values are checked where it is unpacked; passed through to a
+    base64 client, a bad one fails that client's decoding, loudly (decoding every vector
+    to check it would cost the API ~5 us per vector, 10 ms per call of 2,048, on 2 CPU
+    cores). The worker that packs checks its values are finite (``worker.tasks.embed``)."""
     if not isinstance(vector, str):
         return len(vector)
     padding = len(vector) - len(vector.rstrip("="))
     size = len(vector) * 3 // 4 - padding
-    if len(vector) % 4 or padding > 2 or size % 4:
+    if not vector or len(vector) % 4 or padding > 2 or size % 4:
         raise VectorError(f"{len(vector)} characters are not base64 of whole float32 values")
     return size // 4

@@ -1,6 +1,6 @@
 """A user's own embedding type (``--tasks gl_vector_tasks``): named by a ``model``, so
-``/v1/embeddings`` serves it, batched, with args that do not take ``encoding_format``.
-Its vectors are plain JSON numbers, read off the text, so a test knows each one."""
+``/v1/embeddings`` serves it, batched. It ignores ``ctx.encoding_format``: its vectors
+are plain JSON numbers, read off the text, so a test knows each one."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ NO_VECTOR = "give no vector"  # an input whose result holds no embedding
 
 
 class TextArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an encoding_format sent here is invalid_args
+    model_config = ConfigDict(extra="forbid")
 
     text: str
 

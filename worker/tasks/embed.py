@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from dispatcher.contract import vectors
-from worker.registry import Batch, TaskContext, task
+from dispatcher.contract.jobs import ErrorCode
+from worker.registry import Batch, TaskContext, TaskFailure, task
 
 __all__ = ["MAX_CHARS", "MODEL_ID", "EmbedArgs", "embed", "load_model"]
 
@@ -35,13 +36,6 @@ class EmbedArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str = Field(min_length=1, max_length=MAX_CHARS, description="The text to embed.")
-    # OpenAI's field: /v1/embeddings asks for base64 (dispatcher.contract.vectors), a
-    # quarter of the bytes and no float formatting; the default keeps a readable list.
-    encoding_format: vectors.EncodingFormat = Field(
-        vectors.FLOAT,
-        description="'float': the embedding as a list of numbers; 'base64': as "
-        "little-endian float32, base64-encoded (OpenAI's packing).",
-    )
 
 
 def load_model(device: str) -> None:
@@ -87,26 +81,28 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
 
 
 def embed(batch: list[EmbedArgs], ctxs: list[TaskContext]) -> list[Any]:
-    """Embed a text: a 384-dimensional, L2-normalised vector."""
+    """Embed a text: a 384-dimensional, L2-normalised vector (packed when the requester
+    asked for base64: ``/v1/embeddings`` does)."""
     found, tokens = _encode([args.text for args in batch])
-    dim = int(found.shape[1])
     little = found.astype("<f4", copy=False)  # the model's float32, in OpenAI's byte order
     return [
-        {
-            "embedding": _vector(vector, args.encoding_format),
-            "dim": dim,
-            "model": MODEL_ID,
-            "tokens": n,
-        }
-        for vector, args, n in zip(little, batch, tokens, strict=True)
+        _result(vector, ctx.encoding_format, n)
+        for vector, ctx, n in zip(little, ctxs, tokens, strict=True)
     ]
 
 
-def _vector(vector: Any, encoding_format: str) -> list[float] | str:
-    if encoding_format == vectors.BASE64:
-        return vectors.pack(vector.tobytes())
-    values: list[float] = vector.tolist()
-    return values
+def _result(vector: Any, encoding_format: str, tokens: int) -> dict[str, Any] | TaskFailure:
+    """One text's result: its vector packed (base64 of little-endian float32, a quarter
+    of the bytes and no float formatting: ``dispatcher.contract.vectors``) or a list.
+    NaN or inf (half precision can overflow) fails the item: packed, it would pass every
+    JSON check on its way to the client."""
+    import numpy as np
+
+    if not np.isfinite(vector).all():
+        return TaskFailure(ErrorCode.INVALID_RESULT, "The model gave a vector with NaN or inf.")
+    packed = encoding_format == vectors.BASE64
+    embedding = vectors.pack(vector.tobytes()) if packed else vector.tolist()
+    return {"embedding": embedding, "dim": len(vector), "model": MODEL_ID, "tokens": tokens}
 
 
 def _available() -> bool:

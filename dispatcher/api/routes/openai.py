@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from dataclasses import replace
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -93,7 +94,7 @@ class EmbeddingsRequest(BaseModel):
 
     model: str = Field(examples=[MODEL_EXAMPLE], description="A model id from GET /v1/models.")
     input: Annotated[list[str] | str, WithJsonSchema(_INPUT_SCHEMA)]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: vectors.EncodingFormat = vectors.FLOAT
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
 
@@ -181,11 +182,11 @@ async def _pack(
     gpu_mb = gpu_memory(None, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
     chunk = info.chunk_size(svc.settings) if info else 1
     packer = Packer()
-    packed = info is not None and info.packs_base64
     for text in texts:
-        args = {"text": text, "encoding_format": vectors.BASE64} if packed else {"text": text}
-        packer.add(task_type, args, timeout_s, gpu_mb, chunk)
-    records, _ = packer.done()
+        packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
+    # Vectors asked for packed, whatever the client wants: a quarter of the bytes, and
+    # a base64 client's pass through untouched (a handler that ignores it gives lists).
+    records = [replace(r, encoding_format=vectors.BASE64) for r in packer.done()[0]]
     sub = Submission(
         task_type,
         cls,
@@ -242,13 +243,21 @@ def _items(records: list[dict[str, Any] | None]) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def _encode(vector: list[float] | str, fmt: str) -> list[float] | str:
-    """A vector as OpenAI sends it: floats, or base64 of little-endian float32. A task
-    asked for base64 (``packs_base64``) gave it packed: passed through as it is, or
-    unpacked for a float client."""
+def _encode(vector: Any, fmt: str) -> tuple[list[float] | str, int]:
+    """A task's vector as OpenAI sends it (floats, or base64 of little-endian float32)
+    and its dimensions; VectorError for anything else. Packed (``embed`` packs what
+    /v1/embeddings asks for): passed through to a base64 client as it is (its length
+    checked), unpacked for a float client. A list (a type that ignores the request's
+    encoding_format): its numbers checked as float32 values."""
     if isinstance(vector, str):
-        return vector if fmt == vectors.BASE64 else vectors.unpack(vector)
-    return vector if fmt == vectors.FLOAT else vectors.pack_floats(vector)
+        if fmt == vectors.BASE64:
+            return vector, vectors.dimensions(vector)
+        values = vectors.unpack(vector)
+        return values, len(values)
+    if not isinstance(vector, list):
+        raise vectors.VectorError(f"the embedding is a {type(vector).__name__}")
+    packed = vectors.pack_floats(vector)  # checks each is a finite float32
+    return (packed if fmt == vectors.BASE64 else vector), len(vector)
 
 
 @router.post(
@@ -319,9 +328,7 @@ async def _embeddings(request: Request) -> Response:
             raise _item_error(item, index)
         result = item["result"]
         try:
-            vector = result["embedding"]
-            gives = vectors.dimensions(vector)
-            embedding = _encode(vector, fmt)
+            embedding, gives = _encode(result["embedding"], fmt)
             tokens += int(result.get("tokens", 0))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:  # VectorError too
             raise _bad_result(index, exc) from None

@@ -30,12 +30,14 @@
 --           more?, types?, fair_time (fair share charges device time, not items)}
 -- Returns {task, ...} (task: {id, class, data, attempts, timeout, created_ms,
 -- started_ms, file|nil, type, items, tenant, parent, part, merge (a part's: its parent, its
--- index, and the result key whose list is its part, '' for the whole result)}; more than one only for a batch) or nil; with `more`,
+-- index, and the result key whose list is its part, '' for the whole result),
+-- encoding_format ('' for float)}; more than one only for a batch) or nil; with `more`,
 -- {stop (1: stop waiting), task, ...}.
 local o = cjson.decode(ARGV[1])
 local w = o.worker
 local FIELDS = {'status', 'data', 'attempts', 'timeout_s', 'created_ms', 'has_file', 'type',
-  'gpu_mb', 'lane', 'items', 'route', 'tenant', 'parent', 'part', 'merge', 'flatten'}
+  'gpu_mb', 'lane', 'items', 'route', 'tenant', 'parent', 'part', 'merge', 'flatten',
+  'encoding_format'}
 -- A redelivery reads the run's owner and start with them, in the same HMGET.
 local RUN_FIELDS = {unpack(FIELDS)}
 RUN_FIELDS[#RUN_FIELDS + 1] = 'worker_name'
@@ -211,7 +213,7 @@ local function handed(id, c, f, attempts, started_ms)
   if f.has_file == '1' then file = redis.call('GET', K.file(f.parent or id)) end
   return {id, c, f.data, attempts, f.timeout_s or '', f.created_ms or '', started_ms, file,
     f.type or '', tonumber(f.items) or 1, f.tenant or '', f.parent or '', f.part or '',
-    f.flatten == '1' and f.merge or ''}
+    f.flatten == '1' and f.merge or '', f.encoding_format or ''}
 end
 
 local function start(p, now)

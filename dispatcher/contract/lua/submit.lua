@@ -3,9 +3,10 @@
 -- or more records of one class and tenant (a bulk submit's tasks and chunks, the
 -- chunks of /v1/embeddings), admitted whole or not at all.
 -- ARGV[1]: options (JSON, see dispatcher/api/store.py), with `records`, one
--- {id, type, items, timeout, gpu_mb, routed?, tpm?} per record (routed: only workers
--- that declare the type take it, see claim.lua; tpm: the model tokens its tenant's
--- budget was charged, settled by tokens.lua); ARGV[2 .. n+1]: each record's RQ call
+-- {id, type, items, timeout, gpu_mb, routed?, tpm?, encoding_format?} per record
+-- (routed: only workers that declare the type take it, see claim.lua; tpm: the model
+-- tokens its tenant's budget was charged, settled by tokens.lua; encoding_format: how
+-- its handler is asked to give vectors, absent: float); ARGV[2 .. n+1]: each record's RQ call
 -- data; ARGV[n+2]: the uploaded file's bytes ('' when there is none; a request with a
 -- file has one record).
 -- Limits count items (a task is one, a chunk its `items`): the class's queued items
@@ -140,6 +141,9 @@ for i, r in ipairs(records) do
   if r.items > 1 then fields[#fields + 1] = 'items'; fields[#fields + 1] = r.items end
   if r.routed then fields[#fields + 1] = 'route'; fields[#fields + 1] = '1' end
   if r.tpm then fields[#fields + 1] = 'tpm'; fields[#fields + 1] = r.tpm end
+  if r.encoding_format then
+    fields[#fields + 1] = 'encoding_format'; fields[#fields + 1] = r.encoding_format
+  end
   redis.call('HSET', K.job(r.id), unpack(fields))
   enqueue(o.class, r.id, o.lane, false, r.items)
   if o.max_in_flight > 0 then redis.call('ZADD', tk, now, r.id) end
