@@ -7,7 +7,8 @@ its handler began: the bench process compares it with the moment its submit retu
 ``bench.batch_noop``, ``bench.batch_vector`` and ``bench.batch_packed`` are batched (64
 items): a small result, a 384-float vector as JSON numbers, or the same vector packed
 as ``/v1/embeddings`` has ``embed`` return it (base64 of float32), per item: the
-dispatch cost of batched inference without a model.
+dispatch cost of batched inference without a model. ``bench.batch_device`` adds 2 ms
+of device-like waiting per batch: the share of a worker's time its GPU would be busy.
 
 ``bench.sleep`` holds the worker for ``seconds`` times this worker's slowdown, read
 once from ``BENCH_SLOWDOWN`` (default 1; the ``mixed`` scenario starts its slow workers
@@ -80,6 +81,18 @@ PACKED = vectors.pack_floats(VECTOR)
 def batch_packed(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
     """Batched: the 384-float vector packed (base64 of little-endian float32), as
     ``embed`` returns it to ``/v1/embeddings``, with no model."""
+    return [{"embedding": PACKED} for _ in batch]
+
+
+DEVICE_S = 0.002  # bench.batch_device's wait per batch
+
+
+@task("bench.batch_device", batch=Batch(max_size=64, max_wait_ms=5))
+def batch_device(batch: list[ItemArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """Batched: a stand-in for a GPU's forward pass, :data:`DEVICE_S` a batch during which
+    the worker's thread waits without the CPU (as on a CUDA sync), then packed vectors.
+    How much of a worker's time the device would be busy, with no GPU at hand."""
+    time.sleep(DEVICE_S)
     return [{"embedding": PACKED} for _ in batch]
 
 

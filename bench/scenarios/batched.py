@@ -8,7 +8,10 @@ What a request's items cost when they travel together (``docs/design.md`` §4):
   packed, base64 of float32, as ``embed`` gives it to ``/v1/embeddings``), submitted
   as bulk ``POST /tasks`` requests of up to 10,000 (packed into chunks of the type's
   batch size, 64); then one worker drains it. Items/s from the first chunk's start to
-  the last one's end (Redis clock).
+  the last one's end (Redis clock). ``bench.batch_device`` waits 2 ms a batch without
+  the CPU, as a GPU's forward pass would hold the worker: the device's busy share is
+  chunks x 2 ms over the drain's time, what is left being the dispatcher's serial work
+  per batch (a GPU proxy on a machine without one).
 - Redis commands per item over the whole life of those items: ``CONFIG RESETSTAT``
   before the first submit, ``INFO commandstats`` once the last chunk ended, divided
   by N (commands inside scripts counted, as in the overhead scenario; the bench's own
@@ -30,6 +33,7 @@ import httpx
 import redis
 
 from bench import cmdstats
+from bench.gl_tasks import DEVICE_S
 from bench.harness import Stack
 from bench.report import Report, Table, Target, axes, figure, judged, save
 from dispatcher.contract import keys
@@ -40,6 +44,7 @@ TYPES = {
     "batch_noop": "bench.batch_noop",
     "batch_vector": "bench.batch_vector",
     "batch_packed": "bench.batch_packed",
+    "batch_device": "bench.batch_device",
 }
 # The same-run baseline: the no-op with batching off (API and worker), a task per item.
 OFF = {"types": json.dumps({"bench.batch_noop": {"batch_max_size": 1}})}
@@ -180,6 +185,7 @@ def run(size: str, outdir: Path) -> Report:
             ("bench.batch_noop", noop),
             ("bench.batch_vector (384 floats)", vector),
             ("bench.batch_packed (384 float32, base64)", data["batch_packed"]),
+            ("bench.batch_device (2 ms device wait a batch, packed)", data["batch_device"]),
             ("bench.batch_noop, batching off (a task per item)", data["batch_off"]),
         )
     ]
@@ -218,6 +224,14 @@ def run(size: str, outdir: Path) -> Report:
                f"{data['bulk_distinct']['tasks_per_s']:,.0f} (batched, distinct args)",
                data["bulk_unbatched"]["tasks_per_s"] >= 20_000),
     ]  # fmt: skip
+    device = data["batch_device"]
+    busy = device["chunks"] * DEVICE_S / device["seconds"] if device["seconds"] else 0.0
+    report.notes.append(
+        f"bench.batch_device: the device would be busy {busy:.0%} of the drain "
+        f"({device['chunks']} batches x {DEVICE_S * 1000:g} ms in {device['seconds']:.2f} s); "
+        f"the rest, {(device['seconds'] / device['chunks'] - DEVICE_S) * 1000:.2f} ms a batch, "
+        "is the worker's serial dispatch work (claim, decode, report) the device waits on."
+    )
     report.charts.append(_chart(data, outdir))
     report.write(outdir)
     return report
@@ -226,7 +240,7 @@ def run(size: str, outdir: Path) -> Report:
 def _chart(data: dict[str, Any], outdir: Path) -> str:
     fig, (left, right) = figure(9.0, 3.2, ncols=2)
     drained = [data[name]["items_per_s"] for name in TYPES]
-    labels = ["no-op", "384 floats", "384, packed"]
+    labels = ["no-op", "384 floats", "384, packed", "packed, 2 ms device"]
     _bars(left, labels, drained, "items/s", "One worker drains batched items")
     bulk = [data["bulk_unbatched"]["tasks_per_s"], data["bulk_distinct"]["tasks_per_s"]]
     _bars(right, ["unbatched", "batched, distinct"], bulk, "tasks/s", "One bulk POST of 10,000")
