@@ -3,9 +3,11 @@ cancel that arrives before its run (or its batch) starts is not lost."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -117,3 +119,26 @@ def test_cancel_before_a_batch_starts_keeps_the_item_out_of_the_call() -> None:
         "canceled",
         "finished",
     ]
+
+
+def test_a_chunks_invalid_items_fail_alone_and_the_valid_ones_run() -> None:
+    """A chunk's args are checked in one call; where that fails, item by item: each
+    invalid one fails alone with its message, the others run (a worker whose schema is
+    newer than the catalog that admitted them)."""
+    registry = Registry()
+
+    @registry.task("double", batch=Batch(max_size=8, max_wait_ms=0))
+    def double(batch: list[Args], ctxs: list[Any]) -> list[float]:
+        return [args.seconds * 2 for args in batch]
+
+    run = Runner(registry, Interrupts(), lambda *_: None, {}, "w", 1 << 20)
+    items = [{"seconds": 1}, {"seconds": "x"}, {"seconds": 3}, {"other": 1, "seconds": []}]
+    chunk = Claimed("c1", "batch", encode_call("double", {}, items=items), 1, 30, None, 0, None)
+    result = json.loads(_run(run, replace(chunk, task_type="double", items=4)).result_json)
+    assert result["results"][0] == 2 and result["results"][2] == 6
+    assert set(result["errors"]) == {"1", "3"}
+    assert all(e["code"] == "invalid_args" for e in result["errors"].values())
+    assert "seconds" in result["errors"]["1"]["message"]
+    whole = encode_call("double", {}, items=[{"seconds": 1}, {"seconds": 2}])
+    valid = _run(run, Claimed("c2", "batch", whole, 1, 30, None, 0, None, "double", 2))
+    assert json.loads(valid.result_json)["results"] == [2, 4]

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dispatcher.contract.jobs import Call, CallRefused, ErrorCode, decode_call
 from dispatcher.contract.settings import Settings
@@ -96,6 +96,7 @@ class BatchRunner:
         # This worker's batch size per type ([types.<name>] overrides included): a
         # chunk packed for a bigger batch runs in calls of at most this many items.
         self.sizes = sizes or {}
+        self._lists: dict[type[BaseModel], TypeAdapter[list[BaseModel]]] = {}
 
     def run(self, claims: list[Claimed]) -> list[Item]:
         items = [self._prepare(claimed) for claimed in claims]
@@ -149,16 +150,26 @@ class BatchRunner:
                 item.outcome = Outcome.fail(ErrorCode.INVALID_ARGS, _invalid(call.task_type, exc))
             return item
         item.chunk = True
-        for index, raw in enumerate(call.items):
-            try:
-                item.args.append(spec.args_model.model_validate(raw))
-            except ValidationError as exc:
-                item.args.append(None)
-                message = _invalid(call.task_type, exc)
-                item.errors[str(index)] = {"code": ErrorCode.INVALID_ARGS, "message": message}
+        try:  # a chunk's items in one call: half the time of one call per item
+            item.args = list(self._list_of(spec.args_model).validate_python(call.items))
+        except ValidationError:  # then item by item, each invalid one failing alone
+            item.args = []
+            for index, raw in enumerate(call.items):
+                try:
+                    item.args.append(spec.args_model.model_validate(raw))
+                except ValidationError as exc:
+                    item.args.append(None)
+                    message = _invalid(call.task_type, exc)
+                    item.errors[str(index)] = {"code": ErrorCode.INVALID_ARGS, "message": message}
         if not item.valid:  # nothing to run: the chunk's result is its errors
             item.outcome = runner.encode_chunk(item.args, [], item.errors)
         return item
+
+    def _list_of(self, model: type[BaseModel]) -> TypeAdapter[list[BaseModel]]:
+        adapter = self._lists.get(model)
+        if adapter is None:
+            adapter = self._lists[model] = TypeAdapter(list[model])  # type: ignore[valid-type]
+        return adapter
 
     def _run(self, spec: TaskSpec, pending: list[Item]) -> None:
         # Cancels that came since the claim (during the batch's wait to fill) mark their

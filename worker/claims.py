@@ -9,6 +9,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from dispatcher.contract import vectors
 from dispatcher.contract.reap import Reaped
 from dispatcher.contract.scripts import FinishVerdict, as_text
 from dispatcher.contract.scripts import verdict as script_verdict
@@ -48,7 +49,7 @@ class Claimed:
     parent: str = ""
     part: int | None = None
     merge: str = ""
-    encoding_format: str = "float"  # how the requester takes vectors (ctx.encoding_format)
+    encoding_format: str = vectors.FLOAT  # how the requester takes vectors (ctx.encoding_format)
 
 
 @dataclass(frozen=True)
@@ -124,5 +125,5 @@ def parse_claimed(reply: list[Any], class_timeout_s: Callable[[str], float]) -> 
         parent=as_text(parent),
         part=int(part) if part else None,
         merge=as_text(merge),
-        encoding_format=as_text(encoding_format) or "float",
+        encoding_format=as_text(encoding_format) or vectors.FLOAT,
     )

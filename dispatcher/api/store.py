@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from dispatcher.api import parts
 from dispatcher.api.coalesce import AsyncScripts
 from dispatcher.api.pool import ClassState
+from dispatcher.contract import vectors
 from dispatcher.contract.connect import ReplicaLag
 from dispatcher.contract.jobs import (
     PUBLIC_STATUS,
@@ -74,7 +75,7 @@ class Record:
     tpm: int = 0  # model tokens its tenant's tpm budget was charged (settled later)
     # How the requester takes embedding vectors (the handler's ctx.encoding_format):
     # /v1/embeddings asks for base64, packed (dispatcher.contract.vectors).
-    encoding_format: str = "float"
+    encoding_format: str = vectors.FLOAT
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -88,7 +89,7 @@ class Record:
             out["routed"] = True
         if self.tpm:
             out["tpm"] = self.tpm
-        if self.encoding_format != "float":
+        if self.encoding_format != vectors.FLOAT:
             out["encoding_format"] = self.encoding_format
         return out
 
