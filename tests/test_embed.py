@@ -123,9 +123,6 @@ def test_base64_vectors_are_the_float_vectors_packed() -> None:
     import struct
     from types import SimpleNamespace
 
-    import numpy as np
-
-    from worker.registry import TaskFailure
     from worker.tasks import embed
 
     embed.load_model("cpu")
@@ -143,6 +140,21 @@ def test_base64_vectors_are_the_float_vectors_packed() -> None:
     assert {k: v for k, v in packed[0].items() if k != "embedding"} == {
         k: v for k, v in floats[0].items() if k != "embedding"
     }
-    broken = np.array([0.5, np.nan, 0.25], dtype="<f4")
-    failed = embed._result(broken, "base64", 3)
-    assert isinstance(failed, TaskFailure) and failed.code == "invalid_result"
+
+
+@MODELS
+def test_a_vector_with_nan_or_inf_fails_its_item_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed, NaN would pass every JSON check on its way to the client."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from worker.registry import TaskFailure
+    from worker.tasks import embed
+
+    found = np.array([[0.5, np.nan], [0.6, 0.8], [np.inf, 0.0]], dtype=np.float32)
+    monkeypatch.setattr(embed, "_encode", lambda texts: (found, [3, 4, 5]))
+    ctx = SimpleNamespace(encoding_format="base64")
+    got = embed.embed([embed.EmbedArgs(text=t) for t in "abc"], [ctx] * 3)  # type: ignore[list-item]
+    assert [isinstance(r, TaskFailure) for r in got] == [True, False, True]
+    assert got[0].code == "invalid_result" and got[1]["tokens"] == 4

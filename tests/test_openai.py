@@ -18,7 +18,7 @@ import pytest
 import redis
 from conftest import WorkerFactory, make_settings
 from gl_vector_tasks import MODEL as VECTORS
-from gl_vector_tasks import NO_VECTOR, vector
+from gl_vector_tasks import NO_VECTOR, PAST_FLOAT32, vector
 from support.catalog import tenant
 from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
@@ -251,3 +251,7 @@ def test_a_model_type_of_ones_own_gets_texts_and_gives_numbers(
     assert raised.value.status_code == 502
     error = raised.value.response.json()["error"]
     assert error["code"] == "invalid_result" and error["message"].startswith("input[1]:")
+    for fmt in ("float", "base64"):  # either client is refused what float32 cannot hold
+        with pytest.raises(openai.APIStatusError) as raised:
+            sdk.embeddings.create(model=VECTORS, input=["a", PAST_FLOAT32], encoding_format=fmt)  # type: ignore[arg-type]
+        assert raised.value.status_code == 502

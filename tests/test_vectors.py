@@ -27,7 +27,6 @@ def test_a_packed_vector_is_openais_little_endian_float32_and_unpacks_to_the_sam
         3,
         384,
     ]
-    assert vectors.dimensions([1.0, 2.0]) == 2
 
 
 @pytest.mark.parametrize("bad", ["", "abc", "AAAA", "AA==", "A===", "AAAAAA", "AAAAAAA="])

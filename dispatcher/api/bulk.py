@@ -24,6 +24,7 @@ from dispatcher.api.errors import ApiError
 from dispatcher.api.store import Record, Submission
 from dispatcher.api.submission import submission_of, too_large
 from dispatcher.api.task_types import Catalog
+from dispatcher.contract import vectors
 from dispatcher.contract.jobs import encode_call, json_bytes
 from dispatcher.contract.settings import Settings
 from dispatcher.contract.strict_json import loads_strict
@@ -64,7 +65,8 @@ class Packer:
     one timeout and GPU need) share a chunk of up to ``chunk`` items, and of at most
     :data:`MAX_CHUNK_ARGS_BYTES` of args."""
 
-    def __init__(self) -> None:
+    def __init__(self, encoding_format: str = vectors.FLOAT) -> None:
+        self.encoding_format = encoding_format  # every record's (see Record)
         self.records: list[Record] = []
         self.ids: list[str] = []
         self._open: list[dict[str, Any]] = []
@@ -104,11 +106,21 @@ class Packer:
         items, self._open, self._bytes = self._open, [], 0
         if len(items) == 1:  # a lone item is a task: its id and record as any task's
             data = encode_call(task_type, items[0])
-            record = Record(task_type, data, timeout_s, 1, gpu_mb, routed=routed)
+            record = Record(
+                task_type,
+                data,
+                timeout_s,
+                1,
+                gpu_mb,
+                routed=routed,
+                encoding_format=self.encoding_format,
+            )
             self.ids.append(record.task_id)
         else:
             data = encode_call(task_type, {}, items=items)
-            record = Record(task_type, data, timeout_s, len(items), gpu_mb)
+            record = Record(
+                task_type, data, timeout_s, len(items), gpu_mb, encoding_format=self.encoding_format
+            )
             self.ids.extend(f"{record.task_id}.{k}" for k in range(len(items)))
         self.records.append(record)
 

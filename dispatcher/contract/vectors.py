@@ -26,6 +26,7 @@ __all__ = [
     "FLOAT",
     "EncodingFormat",
     "VectorError",
+    "check_floats",
     "dimensions",
     "pack",
     "pack_floats",
@@ -48,14 +49,21 @@ def pack(little_endian_f32: bytes) -> str:
     return base64.b64encode(little_endian_f32).decode("ascii")
 
 
-def pack_floats(values: Sequence[float]) -> str:
-    """Base64 of ``values`` as little-endian float32; VectorError unless they are one or
-    more numbers, each finite as a float32 (1e39 would pack as inf)."""
+def check_floats(values: Sequence[float]) -> array.array[float]:
+    """``values`` as float32, or VectorError unless they are one or more numbers, each
+    finite as a float32 (1e39 would pack as inf: a base64 client would read another
+    number than a float client)."""
     try:
         packed = array.array("f", values)
     except (TypeError, ValueError, OverflowError) as exc:
         raise VectorError(f"not a list of numbers: {exc}") from None
     _check(packed)
+    return packed
+
+
+def pack_floats(values: Sequence[float]) -> str:
+    """Base64 of ``values`` as little-endian float32 (checked: :func:`check_floats`)."""
+    packed = check_floats(values)
     if not _LITTLE:
         packed.byteswap()
     return pack(packed.tobytes())
@@ -88,15 +96,13 @@ def unpack(text: str) -> list[float]:
     return values.tolist()
 
 
-def dimensions(vector: str | Sequence[float]) -> int:
-    """How many values a vector holds, packed or not, from a packed one's length alone:
-    VectorError where that length cannot be base64 of one or more whole float32 values.
+def dimensions(vector: str) -> int:
+    """How many values a packed vector holds, from its length alone: VectorError where
+    that length cannot be base64 of one or more whole float32 values.
     Its characters and values are checked where it is unpacked; passed through to a
     base64 client, a bad one fails that client's decoding, loudly (decoding every vector
     to check it would cost the API ~5 us per vector, 10 ms per call of 2,048, on 2 CPU
     cores). The worker that packs checks its values are finite (``worker.tasks.embed``)."""
-    if not isinstance(vector, str):
-        return len(vector)
     padding = len(vector) - len(vector.rstrip("="))
     size = len(vector) * 3 // 4 - padding
     if not vector or len(vector) % 4 or padding > 2 or size % 4:

@@ -12,6 +12,7 @@ from worker import Batch, TaskContext, task
 
 MODEL = "test/plain-vectors"
 NO_VECTOR = "give no vector"  # an input whose result holds no embedding
+PAST_FLOAT32 = "give 1e39"  # an input whose vector holds a number float32 cannot hold
 
 
 class TextArgs(BaseModel):
@@ -21,7 +22,7 @@ class TextArgs(BaseModel):
 
 
 def vector(text: str) -> list[float]:
-    return [float(len(text)), 0.0, 0.5]
+    return [1e39 if text == PAST_FLOAT32 else float(len(text)), 0.0, 0.5]
 
 
 @task("test.vectors", model=MODEL, batch=Batch(max_size=8, max_wait_ms=5))

@@ -83,23 +83,26 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
 def embed(batch: list[EmbedArgs], ctxs: list[TaskContext]) -> list[Any]:
     """Embed a text: a 384-dimensional, L2-normalised vector (packed when the requester
     asked for base64: ``/v1/embeddings`` does)."""
+    import numpy as np
+
     found, tokens = _encode([args.text for args in batch])
     little = found.astype("<f4", copy=False)  # the model's float32, in OpenAI's byte order
+    finite = np.isfinite(little).all(axis=1)
     return [
-        _result(vector, ctx.encoding_format, n)
-        for vector, ctx, n in zip(little, ctxs, tokens, strict=True)
+        _result(vector, ctx.encoding_format, n) if ok else _not_finite()
+        for vector, ctx, n, ok in zip(little, ctxs, tokens, finite, strict=True)
     ]
 
 
-def _result(vector: Any, encoding_format: str, tokens: int) -> dict[str, Any] | TaskFailure:
-    """One text's result: its vector packed (base64 of little-endian float32, a quarter
-    of the bytes and no float formatting: ``dispatcher.contract.vectors``) or a list.
-    NaN or inf (half precision can overflow) fails the item: packed, it would pass every
-    JSON check on its way to the client."""
-    import numpy as np
+def _not_finite() -> TaskFailure:
+    """NaN or inf (half precision can overflow) fails its item: packed, it would pass
+    every JSON check on its way to the client."""
+    return TaskFailure(ErrorCode.INVALID_RESULT, "The model gave a vector with NaN or inf.")
 
-    if not np.isfinite(vector).all():
-        return TaskFailure(ErrorCode.INVALID_RESULT, "The model gave a vector with NaN or inf.")
+
+def _result(vector: Any, encoding_format: str, tokens: int) -> dict[str, Any]:
+    """One text's result: its vector packed (base64 of little-endian float32, a quarter
+    of the bytes and no float formatting: ``dispatcher.contract.vectors``) or a list."""
     packed = encoding_format == vectors.BASE64
     embedding = vectors.pack(vector.tobytes()) if packed else vector.tolist()
     return {"embedding": embedding, "dim": len(vector), "model": MODEL_ID, "tokens": tokens}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Annotated, Any
 
 import orjson
@@ -181,12 +180,12 @@ async def _pack(
     # A type declaring more GPU memory than any card has is a 422, as for POST /tasks.
     gpu_mb = gpu_memory(None, info.gpu_memory_mb if info else 0, svc.settings.max_gpu_memory_mb)
     chunk = info.chunk_size(svc.settings) if info else 1
-    packer = Packer()
+    # Vectors asked for packed, whatever the client wants: a quarter of the bytes, and
+    # passed through to a base64 client untouched (a handler may ignore it: lists).
+    packer = Packer(encoding_format=vectors.BASE64)
     for text in texts:
         packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
-    # Vectors asked for packed, whatever the client wants: a quarter of the bytes, and
-    # a base64 client's pass through untouched (a handler that ignores it gives lists).
-    records = [replace(r, encoding_format=vectors.BASE64) for r in packer.done()[0]]
+    records, _ = packer.done()
     sub = Submission(
         task_type,
         cls,
@@ -256,8 +255,10 @@ def _encode(vector: Any, fmt: str) -> tuple[list[float] | str, int]:
         return values, len(values)
     if not isinstance(vector, list):
         raise vectors.VectorError(f"the embedding is a {type(vector).__name__}")
-    packed = vectors.pack_floats(vector)  # checks each is a finite float32
-    return (packed if fmt == vectors.BASE64 else vector), len(vector)
+    if fmt == vectors.BASE64:
+        return vectors.pack_floats(vector), len(vector)
+    vectors.check_floats(vector)  # what packing would refuse, a float client is not sent
+    return vector, len(vector)
 
 
 @router.post(

@@ -6,8 +6,8 @@
 -- {id, type, items, timeout, gpu_mb, routed?, tpm?, encoding_format?} per record
 -- (routed: only workers that declare the type take it, see claim.lua; tpm: the model
 -- tokens its tenant's budget was charged, settled by tokens.lua; encoding_format: how
--- its handler is asked to give vectors, absent: float); ARGV[2 .. n+1]: each record's RQ call
--- data; ARGV[n+2]: the uploaded file's bytes ('' when there is none; a request with a
+-- its handler is asked to give vectors, absent: float); ARGV[2 .. n+1]: each record's
+-- RQ call data; ARGV[n+2]: the uploaded file's bytes ('' when there is none; a request with a
 -- file has one record).
 -- Limits count items (a task is one, a chunk its `items`): the class's queued items
 -- plus this request's against max_queued; the estimate is the time until its last
