@@ -139,8 +139,11 @@ def test_a_round_trip_canceled_under_way_cancels_its_callers() -> None:
     callers end canceled instead of waiting forever for an answer nobody will give."""
 
     async def run() -> bool:
+        received = asyncio.Event()
+
         async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.read()  # takes the request, never answers
+            while await reader.read(65536):  # takes the request, never answers
+                received.set()
 
         server = await asyncio.start_server(mute, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -148,8 +151,8 @@ def test_a_round_trip_canceled_under_way_cancels_its_callers() -> None:
         coalescer = Coalescer(client, ECHO)
         call = asyncio.create_task(coalescer.call("x"))
         async with asyncio.timeout(10):
-            while coalescer._flusher is None or coalescer._pending:
-                await asyncio.sleep(0.01)  # the call is out, its reply awaited
+            await received.wait()  # the call is out, its reply awaited
+        assert coalescer._flusher is not None
         coalescer._flusher.cancel()
         async with asyncio.timeout(10):
             outcome = await asyncio.gather(call, return_exceptions=True)
