@@ -40,11 +40,20 @@ from dispatcher.contract import keys
 from testkit import wait_for
 
 CLASS = "batch"
+# The drained types: name -> (task type, its row in the table, its bar in the chart).
 TYPES = {
-    "batch_noop": "bench.batch_noop",
-    "batch_vector": "bench.batch_vector",
-    "batch_packed": "bench.batch_packed",
-    "batch_device": "bench.batch_device",
+    "batch_noop": ("bench.batch_noop", "bench.batch_noop", "no-op"),
+    "batch_vector": ("bench.batch_vector", "bench.batch_vector (384 floats)", "384 floats"),
+    "batch_packed": (
+        "bench.batch_packed",
+        "bench.batch_packed (384 float32, base64)",
+        "384, packed",
+    ),
+    "batch_device": (
+        "bench.batch_device",
+        "bench.batch_device (2 ms device wait a batch, packed)",
+        "packed, 2 ms device",
+    ),
 }
 # The same-run baseline: the no-op with batching off (API and worker), a task per item.
 OFF = {"types": json.dumps({"bench.batch_noop": {"batch_max_size": 1}})}
@@ -153,7 +162,7 @@ def bulk_rate(
 
 def measure(size: Size) -> dict[str, Any]:
     data: dict[str, Any] = {}
-    for name, task_type in TYPES.items():
+    for name, (task_type, _, _) in TYPES.items():
         with Stack() as stack:
             _, url = stack.gpulane_api([CLASS, "interactive"], **API)
             with httpx.Client(base_url=url, timeout=120) as http:
@@ -182,10 +191,7 @@ def run(size: str, outdir: Path) -> Report:
     rows = [
         [name, *(d[k] for k in cells)]
         for name, d in (
-            ("bench.batch_noop", noop),
-            ("bench.batch_vector (384 floats)", vector),
-            ("bench.batch_packed (384 float32, base64)", data["batch_packed"]),
-            ("bench.batch_device (2 ms device wait a batch, packed)", data["batch_device"]),
+            *((row, data[name]) for name, (_, row, _) in TYPES.items()),
             ("bench.batch_noop, batching off (a task per item)", data["batch_off"]),
         )
     ]
@@ -240,7 +246,7 @@ def run(size: str, outdir: Path) -> Report:
 def _chart(data: dict[str, Any], outdir: Path) -> str:
     fig, (left, right) = figure(9.0, 3.2, ncols=2)
     drained = [data[name]["items_per_s"] for name in TYPES]
-    labels = ["no-op", "384 floats", "384, packed", "packed, 2 ms device"]
+    labels = [bar for _, _, bar in TYPES.values()]
     _bars(left, labels, drained, "items/s", "One worker drains batched items")
     bulk = [data["bulk_unbatched"]["tasks_per_s"], data["bulk_distinct"]["tasks_per_s"]]
     _bars(right, ["unbatched", "batched, distinct"], bulk, "tasks/s", "One bulk POST of 10,000")
