@@ -1,6 +1,9 @@
 """Dynamic batching with a fast batched test type (``test.batch_echo``: max size 4,
 20 ms wait), real workers, real Redis, real HTTP. Each handler call appends one line
-with its batch's values to a file: the batches as the worker really formed them."""
+with its batch's values to a file: the batches as the worker really formed them.
+
+Every test runs twice: reports inline with the next claim, and in the background
+while the next batch runs (``report_overlap``, a GPU worker's default)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import httpx
 import pytest
 from conftest import WorkerFactory, make_settings, submit, wait_status
 
-from dispatcher.contract.settings import ClassConfig, Settings
+from dispatcher.contract.settings import ClassConfig, ReportOverlap, Settings
 from testkit import wait_for
 
 ECHO = "test.batch_echo"
@@ -26,6 +29,14 @@ def settings(redis_url: str) -> Settings:
         redis_url,
         classes={"interactive": ClassConfig(max_wait_s=30), "batch": ClassConfig()},
     )
+
+
+@pytest.fixture(params=[ReportOverlap.NEVER, ReportOverlap.ALWAYS], ids=lambda m: f"report-{m}")
+def start_worker(start_worker: WorkerFactory, request: pytest.FixtureRequest) -> WorkerFactory:
+    def start(*args: Any, **kwargs: Any) -> Any:
+        return start_worker(*args, report_overlap=request.param.value, **kwargs)
+
+    return start
 
 
 def _lines(path: Path) -> list[list[str]]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
+import pytest
 import redis
 from conftest import WorkerFactory, make_settings, submit, wait_status
 
 from dispatcher.contract import keys
+from dispatcher.contract.settings import ReportOverlap
 from testkit import ApiServer, RedisServer, wait_for
 
 
@@ -195,11 +197,18 @@ def test_redis_restart_with_tasks_queued_and_running(
             wait_status(http, t["id"], {"succeeded"}, timeout_s=60)
 
 
+@pytest.mark.parametrize("overlap", [ReportOverlap.NEVER, ReportOverlap.ALWAYS])
 def test_result_finished_during_an_outage_is_reported_after_it(
-    private_redis: RedisServer, api_factory: Callable[..., ApiServer], start_worker: WorkerFactory
+    private_redis: RedisServer,
+    api_factory: Callable[..., ApiServer],
+    start_worker: WorkerFactory,
+    overlap: ReportOverlap,
 ) -> None:
+    """Inline, or from the background reporter (``report_overlap``)."""
     api = api_factory(make_settings(private_redis.url))
-    worker = start_worker("outage", redis_url_override=private_redis.url)
+    worker = start_worker(
+        "outage", redis_url_override=private_redis.url, report_overlap=overlap.value
+    )
     with httpx.Client(base_url=api.url, timeout=10) as http:
         task = submit(http, "sleep", {"seconds": 0.8})
         wait_status(http, task["id"], {"running"})
@@ -218,3 +227,5 @@ def test_result_finished_during_an_outage_is_reported_after_it(
         record = wait_status(http, task["id"], {"succeeded"}, timeout_s=20)
     assert record["attempts"] == 1  # reported once Redis was back, not run again
     assert worker.alive()
+    overlapped = "reports each batch while the next one runs" in worker.output()
+    assert overlapped is (overlap == ReportOverlap.ALWAYS)

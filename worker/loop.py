@@ -25,6 +25,7 @@ from worker.claims import Claimed
 from worker.execute import Outcome, RunEnd, Runner
 from worker.gpu.budget import GpuBudget
 from worker.memory import rss_bytes
+from worker.overlap import InFlight, overlaps
 from worker.report import Concluded, Reporter, wait_out
 from worker.state import WorkerState
 
@@ -59,6 +60,10 @@ class WorkerLoop:
         self._redeliver = False  # a claim's reply was lost: ask for what it took
         self._device = json.dumps(self.runner.device)  # recorded on each task it starts
         self.gpu = gpu or GpuBudget(None)  # the card's memory, for placement
+        # The last batch's report, in flight while the next one runs (worker/overlap.py).
+        self.in_flight = InFlight.for_worker(self.reporter) if overlaps(settings, state) else None
+        if self.in_flight is not None:
+            log.info("reports each batch while the next one runs", extra=self._who)
 
     def run(self) -> None:
         was_idle = True  # a fresh worker may sit in idle sets from an earlier life
@@ -70,6 +75,7 @@ class WorkerLoop:
                     continue  # waited out a refusal or an outage
             if not claims:
                 was_idle = True
+                self._settle()  # idle means nothing ran is left unreported
                 self.state.set("idle")
                 self._park()
                 claims = None
@@ -78,13 +84,18 @@ class WorkerLoop:
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
             claims = self._execute(claims)
+        self._settle()  # a worker that exits has reported what it ran
         if claims:  # taken with the last report as the worker was told to stop
             self.reporter.report([Concluded(c, Outcome(RunEnd.RELEASE), None) for c in claims])
+        if self.in_flight is not None:
+            self.in_flight.close()
         self._unpark()
 
     def _claim(self, was_idle: bool) -> list[Claimed] | None:
         """The next claim's tasks (empty: none, the worker is parked), or None after
         waiting out a refusal or an outage."""
+        if self._redeliver:
+            self._settle()  # claim.lua redelivers what we hold unreported, too
         try:
             claims = self.broker.claim(
                 was_idle,
@@ -187,9 +198,33 @@ class WorkerLoop:
         for run in runs:
             self._check_lost(run.outcome)  # before the report
         over_memory = self._over_memory()  # read once: nothing runs before the report
+        self._settle()  # one report in flight at most, and in order
+        if (
+            self.in_flight is not None
+            and over_memory is None
+            and not self.state.stopping
+            and self.in_flight.takes(runs)
+        ):
+            self.in_flight.send(runs, batch_items)
+            return None  # the next claim goes alone, while the report is sent
         ended = self.reporter.report(runs, None if over_memory else self._next_claim())
         if self.reporter.claim_lost:
             self._redeliver = True
+        self._reported(runs, ended, batch_items)
+        if over_memory:  # after the report: the outcomes are recorded first
+            log.warning("%s after a task; exiting to be restarted", over_memory, extra=self._who)
+            self.state.recycle(over_memory)
+        return self.reporter.claimed
+
+    def _settle(self) -> None:
+        """Wait for the report in flight, if any, and do its bookkeeping."""
+        settled = self.in_flight.settle() if self.in_flight is not None else None
+        if settled is not None:
+            self._reported(settled.runs, settled.ended, settled.batch_items)
+
+    def _reported(self, runs: list[Concluded], ended: list[int | None], batch_items: int) -> None:
+        """Log and count each reported run; ``ended``: when each was recorded (Redis'
+        clock), None when not recorded here."""
         for run, ended_ms in zip(runs, ended, strict=True):
             claimed, outcome = run.claimed, run.outcome
             task_type = run.ctx.task_type if run.ctx else "-"
@@ -216,10 +251,6 @@ class WorkerLoop:
                 self.state.ended(True)
             elif ended_ms is not None:
                 self._record(claimed, task_type, status, ended_ms, batch_items)
-        if over_memory:  # after the report: the outcomes are recorded first
-            log.warning("%s after a task; exiting to be restarted", over_memory, extra=self._who)
-            self.state.recycle(over_memory)
-        return self.reporter.claimed
 
     def _next_claim(self) -> str | None:
         """The claim to send with the report (one round trip per task, not two), or

@@ -41,6 +41,7 @@ from redis.connection import parse_url
 __all__ = [
     "ClassConfig",
     "FairCost",
+    "ReportOverlap",
     "Settings",
     "SettingsError",
     "TenantConfig",
@@ -106,6 +107,14 @@ class FairCost(StrEnum):
 
     DEVICE_TIME = "device_time"
     TASKS = "tasks"
+
+
+class ReportOverlap(StrEnum):
+    """When a worker reports a batch while it runs the next (``report_overlap``)."""
+
+    AUTO = "auto"  # on a GPU: the card need not wait on the report
+    ALWAYS = "always"
+    NEVER = "never"  # the next claim rides with the report: one round trip a batch
 
 
 class TenantConfig(BaseModel):
@@ -423,6 +432,12 @@ class Settings(BaseSettings):
         ge=64,
         description="A worker whose resident memory is above this after a task (reported "
         "first) exits with status 72 to be restarted fresh; unset: never.",
+    )
+    report_overlap: ReportOverlap = Field(
+        ReportOverlap.AUTO,
+        description="Worker: report a batch from a thread of its own while the next one runs "
+        "(`always`), or inline with the next claim in one round trip (`never`); `auto`: "
+        "in the background on a GPU, where the card would otherwise wait on the report.",
     )
     fault_point: Literal["", "after_claim"] = Field(
         "", description="Testing only: a worker SIGKILLs itself at this point."

@@ -38,13 +38,15 @@ def submit_reply(
     workers: int = 1,
     settings: Settings = SETTINGS,
     serving: int | None = None,
+    args: dict[str, Any] | None = None,
 ) -> list[Any]:
     """submit.lua's reply; ``weight`` set: the tenant has a fair-share lane."""
+    args = args or {}
     sub = Submission(
-        task_type, cls, {}, timeout_s=60, tenant=tenant, weight=weight, gpu_memory_mb=gpu_mb
+        task_type, cls, args, timeout_s=60, tenant=tenant, weight=weight, gpu_memory_mb=gpu_mb
     )
     opts = submit_options(sub, settings.classes[cls], workers, 1.0, settings, serving)
-    reply: list[Any] = s.run("submit", opts, encode_call(task_type, {}), "")
+    reply: list[Any] = s.run("submit", opts, encode_call(task_type, args), "")
     return reply
 
 
