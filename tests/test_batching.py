@@ -34,7 +34,11 @@ def settings(redis_url: str) -> Settings:
 @pytest.fixture(params=[ReportOverlap.NEVER, ReportOverlap.ALWAYS], ids=lambda m: f"report-{m}")
 def start_worker(start_worker: WorkerFactory, request: pytest.FixtureRequest) -> WorkerFactory:
     def start(*args: Any, **kwargs: Any) -> Any:
-        return start_worker(*args, report_overlap=request.param.value, **kwargs)
+        proc = start_worker(*args, report_overlap=request.param.value, **kwargs)
+        if request.param == ReportOverlap.ALWAYS:  # the mode is on, not just asked for
+            line = "reports each batch while the next one runs"
+            wait_for(lambda: line in proc.output(), 10, what="the worker's overlap log line")
+        return proc
 
     return start
 

@@ -235,6 +235,32 @@ def test_a_claim_that_asks_for_redelivery_waits_for_the_report_in_flight(
     assert sorted(v for call in pool.calls for v in call) == list(range(2 * SIZE))  # each once
 
 
+def test_a_stop_that_comes_while_the_claim_waits_on_the_report_runs_nothing_more(
+    pool: Pool, settings: Settings
+) -> None:
+    """Told to stop while its claim waited: what the claim took goes back to the head of
+    its queue, unrun (a stopping or unhealthy worker takes no new work)."""
+    ids = _submit(pool.r, settings, 2 * SIZE)
+    pool.broker.gate.clear()
+
+    def lost_reply() -> None:
+        pool.loop._redeliver = True
+        pool.on_call = lambda: None
+
+    pool.on_call = lost_reply
+
+    def control() -> None:
+        wait_for(pool.settling.is_set, 10, what="the claim to wait for the report")
+        pool.state.request_stop()
+        pool.broker.gate.set()
+
+    assert _run(pool, control) == []
+    assert pool.calls == [[0, 1, 2, 3]]
+    assert [pool.status(t) for t in ids] == ["finished"] * SIZE + ["queued"] * SIZE
+    for cls in settings.class_names:
+        assert pool.r.llen(keys.inflight(NAME, cls)) == 0
+
+
 @pytest.mark.parametrize(
     ("mode", "kind", "expected"),
     [

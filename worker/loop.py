@@ -66,6 +66,22 @@ class WorkerLoop:
             log.info("reports each batch while the next one runs", extra=self._who)
 
     def run(self) -> None:
+        try:
+            claims = self._serve()
+        except BaseException:
+            self.state.request_stop()  # a report in flight gives up past the grace period
+            raise
+        finally:
+            self._settle()  # a worker that exits has reported what it ran
+            if self.in_flight is not None:
+                self.in_flight.close()
+        if claims:  # taken as the worker was told to stop: back to the head of their queue
+            self.reporter.report([Concluded(c, Outcome(RunEnd.RELEASE), None) for c in claims])
+        self._unpark()
+
+    def _serve(self) -> list[Claimed] | None:
+        """Claim, run, report until told to stop; what the last claim took and nothing
+        ran (to hand back), if anything."""
         was_idle = True  # a fresh worker may sit in idle sets from an earlier life
         claims: list[Claimed] | None = None  # taken with the last report, if any
         while not self.state.stopping:
@@ -80,16 +96,13 @@ class WorkerLoop:
                 self._park()
                 claims = None
                 continue
+            if self.state.stopping:
+                break  # told to stop while the claim went (or waited on a report)
             was_idle = False
             if self.settings.fault_point == "after_claim":
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die between dequeue and start
             claims = self._execute(claims)
-        self._settle()  # a worker that exits has reported what it ran
-        if claims:  # taken with the last report as the worker was told to stop
-            self.reporter.report([Concluded(c, Outcome(RunEnd.RELEASE), None) for c in claims])
-        if self.in_flight is not None:
-            self.in_flight.close()
-        self._unpark()
+        return claims
 
     def _claim(self, was_idle: bool) -> list[Claimed] | None:
         """The next claim's tasks (empty: none, the worker is parked), or None after

@@ -9,8 +9,8 @@ and runs the next batch; the claim then goes alone, one round trip more per batc
 when it rides with the report, which is why this is for GPU workers (``auto``): on a
 CPU the report's work and the model's share the same cores.
 
-What keeps every invariant of the inline path (``docs/design.md`` §5, "Report
-overlap"):
+What keeps every invariant of the inline path (``docs/design.md`` §4, "Dynamic
+batching", report overlap):
 
 - One report in flight at most: the loop settles it before it sends another, so what
   a worker holds but has not reported is bounded by one batch.

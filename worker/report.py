@@ -70,7 +70,8 @@ def _report(run: Concluded) -> Report:
 
 
 class Reporter:
-    """Hands outcomes to Redis, waiting out outages with the loop's backoff."""
+    """Hands outcomes to Redis, waiting out outages with the given backoff (the loop's;
+    the background reporter of ``report_overlap`` has its own)."""
 
     def __init__(
         self,
