@@ -17,6 +17,7 @@ import pytest
 import redis
 from conftest import make_settings
 from pydantic import BaseModel
+from redis.exceptions import ConnectionError as RedisConnectionError
 from support.lua import submit
 
 from dispatcher.contract import keys
@@ -25,7 +26,7 @@ from dispatcher.contract.scripts import SyncScripts
 from dispatcher.contract.settings import ReportOverlap, Settings
 from testkit import wait_for
 from worker.broker import Broker
-from worker.claims import Finished, Report
+from worker.claims import Claimed, Finished, Report
 from worker.execute import Interrupts, Runner
 from worker.loop import WorkerLoop
 from worker.overlap import InFlight, Settled, overlaps
@@ -44,13 +45,21 @@ class Args(BaseModel):
 
 class GatedBroker(Broker):
     """The worker's broker, whose reports without a claim (the background reporter's:
-    inline reports carry the next claim) wait at a gate. Counts the reports sent."""
+    inline reports carry the next claim) wait at a gate. Counts the reports sent; fails
+    the next ``lose_claims`` claims as a lost connection would, before they are sent."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.gate.set()
         self.sent = 0
+        self.lose_claims = 0
+
+    def claim(self, *args: Any, **kwargs: Any) -> list[Claimed]:
+        if self.lose_claims:
+            self.lose_claims -= 1
+            raise RedisConnectionError("connection lost (test)")
+        return super().claim(*args, **kwargs)
 
     def finish_many(self, reports: Sequence[Report]) -> list[Finished | Any]:
         self.sent += 1
@@ -213,16 +222,17 @@ def test_a_claim_that_asks_for_redelivery_waits_for_the_report_in_flight(
     pool: Pool, settings: Settings
 ) -> None:
     """claim.lua redelivers what the worker holds ``started``: sent while a report is
-    in flight, it would hand back a batch that ran, to run it twice."""
+    in flight, it would hand back a batch that ran, to run it twice. The claim that goes
+    before the report is sent is lost here; the one asking for redelivery comes after."""
     ids = _submit(pool.r, settings, 2 * SIZE)
     pool.broker.gate.clear()
     seen: dict[str, Any] = {}
 
-    def lost_reply() -> None:  # as after a claim_more whose reply was lost
-        pool.loop._redeliver = True
+    def lose_the_next_claim() -> None:  # the claim after this batch: its reply is lost
+        pool.broker.lose_claims = 1
         pool.on_call = lambda: None
 
-    pool.on_call = lost_reply
+    pool.on_call = lose_the_next_claim
 
     def control() -> None:
         wait_for(pool.settling.is_set, 10, what="the claim to wait for the report")
@@ -232,6 +242,7 @@ def test_a_claim_that_asks_for_redelivery_waits_for_the_report_in_flight(
 
     assert _run(pool, control) == []
     assert seen["calls"] == 1  # nothing claimed before the report landed
+    assert pool.loop._redeliver is False
     assert sorted(v for call in pool.calls for v in call) == list(range(2 * SIZE))  # each once
 
 
@@ -243,11 +254,11 @@ def test_a_stop_that_comes_while_the_claim_waits_on_the_report_runs_nothing_more
     ids = _submit(pool.r, settings, 2 * SIZE)
     pool.broker.gate.clear()
 
-    def lost_reply() -> None:
-        pool.loop._redeliver = True
+    def lose_the_next_claim() -> None:
+        pool.broker.lose_claims = 1
         pool.on_call = lambda: None
 
-    pool.on_call = lost_reply
+    pool.on_call = lose_the_next_claim
 
     def control() -> None:
         wait_for(pool.settling.is_set, 10, what="the claim to wait for the report")
@@ -281,7 +292,6 @@ def test_auto_overlaps_on_a_gpu_only(
 
 
 def test_only_runs_that_ended_for_good_go_in_the_background() -> None:
-    from worker.claims import Claimed
     from worker.execute import Outcome, RunEnd
 
     claimed = Claimed("t1", "batch", b"", 1, 30.0, None, 0, None)

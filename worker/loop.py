@@ -218,8 +218,11 @@ class WorkerLoop:
             and not self.state.stopping
             and self.in_flight.takes(runs)
         ):
+            # The device's next batch first, then the report, so that neither the
+            # claim's round trip nor Redis' time for it waits behind the results.
+            claims = self._claim(False)
             self.in_flight.send(runs, batch_items)
-            return None  # the next claim goes alone, while the report is sent
+            return claims  # None: waited out a refusal or an outage; claim again
         ended = self.reporter.report(runs, None if over_memory else self._next_claim())
         if self.reporter.claim_lost:
             self._redeliver = True

@@ -4,10 +4,12 @@ On a GPU the card waits on whatever the worker does between two forward passes: 
 last batch's report (its results sent, ``finish.lua`` run), the next claim, decoding
 it. The report is the largest share (a batch of 64 packed vectors is 130 KB to send;
 55-62 % of a worker's CPU in a drain of them, ``bench batched``), and nothing in the
-next batch needs it. So it goes from a thread of its own while the main thread claims
-and runs the next batch; the claim then goes alone, one round trip more per batch than
-when it rides with the report, which is why this is for GPU workers (``auto``): on a
-CPU the report's work and the model's share the same cores.
+next batch needs it. So the loop claims the next batch first, alone (Redis runs one
+script at a time: a claim sent beside a 130 KB report waits for it), then hands the
+report to a thread of its own and runs the batch while the report is sent. That is one
+round trip more per batch than when the claim rides with the report, which is why
+this is for GPU workers (``auto``): on a CPU the report's work and the model's share
+the same cores.
 
 What keeps every invariant of the inline path (``docs/design.md`` §4, "Dynamic
 batching", report overlap):
