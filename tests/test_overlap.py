@@ -18,6 +18,7 @@ import redis
 from conftest import make_settings
 from pydantic import BaseModel
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from support.lua import submit
 
 from dispatcher.contract import keys
@@ -54,8 +55,11 @@ class GatedBroker(Broker):
         self.gate.set()
         self.sent = 0
         self.lose_claims = 0
+        self.refuse_claims = False  # as a script error would: for good
 
     def claim(self, *args: Any, **kwargs: Any) -> list[Claimed]:
+        if self.refuse_claims:
+            raise ResponseError("ERR user_script:1: something broke (test)")
         if self.lose_claims:
             self.lose_claims -= 1
             raise RedisConnectionError("connection lost (test)")
@@ -270,6 +274,25 @@ def test_a_stop_that_comes_while_the_claim_waits_on_the_report_runs_nothing_more
     assert [pool.status(t) for t in ids] == ["finished"] * SIZE + ["queued"] * SIZE
     for cls in settings.class_names:
         assert pool.r.llen(keys.inflight(NAME, cls)) == 0
+
+
+def test_a_batch_is_reported_when_the_claim_after_it_is_refused_for_good(
+    pool: Pool, settings: Settings
+) -> None:
+    """The claim goes before the report is handed over: a script error there (which
+    stops the worker) must not take the batch's outcomes with it."""
+    ids = _submit(pool.r, settings, 2 * SIZE)
+
+    def refuse_the_next_claim() -> None:
+        pool.broker.refuse_claims = True
+
+    pool.on_call = refuse_the_next_claim
+    with pytest.raises(ResponseError):
+        pool.loop.run()
+    assert pool.calls == [[0, 1, 2, 3]]
+    assert [pool.status(t) for t in ids] == ["finished"] * SIZE + ["queued"] * SIZE
+    assert pool.state.stopping
+    assert pool.loop.in_flight is not None and not pool.loop.in_flight.busy
 
 
 @pytest.mark.parametrize(

@@ -220,8 +220,10 @@ class WorkerLoop:
         ):
             # The device's next batch first, then the report, so that neither the
             # claim's round trip nor Redis' time for it waits behind the results.
-            claims = self._claim(False)
-            self.in_flight.send(runs, batch_items)
+            try:
+                claims = self._claim(False)
+            finally:  # sent whatever the claim met: a script error stops the worker
+                self.in_flight.send(runs, batch_items)
             return claims  # None: waited out a refusal or an outage; claim again
         ended = self.reporter.report(runs, None if over_memory else self._next_claim())
         if self.reporter.claim_lost:
