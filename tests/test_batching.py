@@ -83,11 +83,18 @@ def test_one_bad_item_fails_alone(
 ) -> None:
     log = tmp_path / "calls"
     ids = [_echo(http, i, log, fail=i == 2) for i in range(4)]
-    start_worker()
+    worker = start_worker()
     records = _finals(http, ids)
     assert [r["status"] for r in records] == ["succeeded", "succeeded", "failed", "succeeded"]
     assert records[2]["error"]["code"] == "bad_item"
     assert _lines(log) == [["0", "1", "2", "3"]]  # one call
+    # The worker's INFO lines: the batch's two, naming every task, and the failure's.
+    ended = "batch of 4 records ended: 1 failed, 3 succeeded"
+    wait_for(lambda: ended in worker.output(), 10, what="the batch's end line")
+    out = worker.output()
+    assert f"tasks={','.join(ids)}" in out.split(ended)[1].splitlines()[0]
+    assert f"task failed  [worker={worker.name} task={ids[2]}" in out
+    assert "task succeeded" not in out and "task started" not in out  # DEBUG
 
 
 def test_sigkill_mid_batch_puts_every_item_back(

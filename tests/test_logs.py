@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import Any
 
 import httpx
 import pytest
@@ -95,3 +96,59 @@ def test_unexpected_error_is_one_500_and_one_traceback(
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
     assert "GET /tasks/abc" in tracebacks[0].getMessage()
+
+
+def _claimed(task_id: str) -> Any:
+    from worker.claims import Claimed
+
+    return Claimed(task_id, "batch", b"", 1, 30.0, None, 0, None)
+
+
+def test_a_task_alone_logs_its_own_lines_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    from worker import tasklog
+
+    caplog.set_level(logging.INFO, "gpulane.worker")
+    tasklog.batch_started("w", [_claimed("t1")], "echo", batched=False)
+    tasklog.ended("w", [tasklog.Ended(_claimed("t1"), "echo", "succeeded", 0.25)])
+    lines = [(r.levelno, r.getMessage(), getattr(r, "task", None)) for r in caplog.records]
+    assert lines == [
+        (logging.INFO, "task started", "t1"),
+        (logging.INFO, "task succeeded", "t1"),
+    ]
+    assert caplog.records[1].elapsed_s == 0.25  # type: ignore[attr-defined]
+
+
+def test_a_batch_of_records_logs_one_line_each_way_naming_every_task(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Per record at DEBUG, but a record that did not succeed stays at INFO."""
+    from worker import tasklog
+
+    caplog.set_level(logging.DEBUG, "gpulane.worker")
+    claims = [_claimed(f"t{k}") for k in range(3)]
+    tasklog.batch_started("w", claims, "embed", batched=True)
+    tasklog.ended(
+        "w",
+        [
+            tasklog.Ended(claims[0], "embed", "succeeded", 0.1),
+            tasklog.Ended(claims[1], "embed", "failed", 0.1, "invalid_args"),
+            tasklog.Ended(claims[2], "embed", "succeeded", 0.2),
+        ],
+    )
+    info = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert [r.getMessage() for r in info] == [
+        "batch of 3 items (3 records) started",
+        "task failed",
+        "batch of 3 records ended: 1 failed, 2 succeeded",
+    ]
+    assert info[0].tasks == info[2].tasks == "t0,t1,t2"  # type: ignore[attr-defined]
+    assert info[1].task == "t1" and info[1].error == "invalid_args"  # type: ignore[attr-defined]
+    assert info[2].elapsed_s == 0.2  # type: ignore[attr-defined]
+    debug = [(r.getMessage(), r.task) for r in caplog.records if r.levelno == logging.DEBUG]  # type: ignore[attr-defined]
+    assert debug == [
+        ("task started", "t0"),
+        ("task started", "t1"),
+        ("task started", "t2"),
+        ("task succeeded", "t0"),
+        ("task succeeded", "t2"),
+    ]

@@ -19,6 +19,7 @@ from dispatcher.contract.connect import REFUSED_FOR_NOW, refused, why_refused
 from dispatcher.contract.jobs import PUBLIC_STATUS
 from dispatcher.contract.metrics import Recorder
 from dispatcher.contract.settings import Settings
+from worker import tasklog
 from worker.batching import BatchRunner, batch_policies
 from worker.broker import Broker
 from worker.claims import Claimed
@@ -166,16 +167,8 @@ class WorkerLoop:
         if policy is not None and _items(claims) < policy.max_size:
             claims = self._fill(claims, task_type)
         self.state.set("busy")
-        for claimed in claims:
-            extra = {"worker": self.broker.name, "task": claimed.task_id, "class": claimed.cls}
-            log.info("task started", extra={**extra, "attempt": claimed.attempt})
+        tasklog.batch_started(self.broker.name, claims, task_type, policy is not None)
         if policy is not None:
-            log.info(
-                "batch of %d items (%d records) started",
-                _items(claims),
-                len(claims),
-                extra={"worker": self.broker.name, "class": claims[0].cls, "type": task_type},
-            )
             self.recorder.observe("batch_size", _items(claims), task_type)
         items = self._batch_runner.run(claims)
         runs = []
@@ -243,6 +236,7 @@ class WorkerLoop:
     def _reported(self, runs: list[Concluded], ended: list[int | None], batch_items: int) -> None:
         """Log and count each reported run; ``ended``: when each was recorded (Redis'
         clock), None when not recorded here."""
+        lines = []
         for run, ended_ms in zip(runs, ended, strict=True):
             claimed, outcome = run.claimed, run.outcome
             task_type = run.ctx.task_type if run.ctx else "-"
@@ -253,22 +247,13 @@ class WorkerLoop:
                 run_s = (ended_ms - claimed.started_ms) / 1000
             else:  # handed back or abandoned: how long it ran here
                 run_s = time.monotonic() - run.ctx.started_mono if run.ctx else 0.0
-            log.info(
-                "task %s",
-                status,
-                extra={
-                    "worker": self.broker.name,
-                    "task": claimed.task_id,
-                    "class": claimed.cls,
-                    "type": task_type,
-                    "elapsed_s": round(run_s, 3),
-                    **({"error": outcome.error["code"]} if outcome.error else {}),
-                },
-            )
+            error = outcome.error["code"] if outcome.error else None
+            lines.append(tasklog.Ended(claimed, task_type, status, run_s, error))
             if outcome.split is not None:  # its parts are counted as submitted by split.lua
                 self.state.ended(True)
             elif ended_ms is not None:
                 self._record(claimed, task_type, status, ended_ms, batch_items)
+        tasklog.ended(self.broker.name, lines)
 
     def _next_claim(self) -> str | None:
         """The claim to send with the report (one round trip per task, not two), or
