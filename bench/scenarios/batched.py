@@ -50,7 +50,8 @@ class Drained:
     task_type: str
     row: str
     bar: str
-    settings: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)  # the worker's
+    api: dict[str, str] = field(default_factory=dict)  # the API's
 
 
 DEVICE_ROW = "bench.batch_device (2 ms device wait a batch, packed)"
@@ -73,6 +74,15 @@ TYPES = {
         f"{DEVICE_ROW}, reports overlapped",
         "2 ms device, overlapped",
         {"report_overlap": "always"},
+    ),
+    # Single submits batched across clients: a record per item (the API chunks nothing,
+    # its batch size for the type being 1), 64 records a batch on the worker.
+    "batch_device_records": Drained(
+        "bench.batch_device",
+        f"{DEVICE_ROW}, a record per item (single submits), reports overlapped",
+        "2 ms device, records",
+        {"report_overlap": "always"},
+        {"types": json.dumps({"bench.batch_device": {"batch_max_size": 1}})},
     ),
 }
 # The same-run baseline: the no-op with batching off (API and worker), a task per item.
@@ -142,15 +152,31 @@ def drain(
     stats["hget"] -= polls[0]
     wait_for(lambda: all(s for s in _span_ready(client, chunks)), 60, "every chunk ended")
     seconds, failed = _span(client, chunks)
+    batches = wait_for(lambda: _batches(http, task_type, n), 30, "the batch metrics")
     worker.stop()
     return {
         "items": n,
         "chunks": len(chunks),
+        "batches": batches,
         "seconds": seconds,
         "items_per_s": n / seconds if seconds > 0 else 0.0,
         "commands_per_item": sum(stats.values()) / n,
         "failed": failed,
     }
+
+
+def _batches(http: httpx.Client, task_type: str, n: int) -> int | None:
+    """The handler calls that ran the drain's ``n`` items, once the worker's metrics
+    (flushed each heartbeat) count them all: ``gpulane_batch_size``'s count, its sum
+    being ``n``."""
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f'gpulane_batch_size_{part}{{type="{task_type}"}} '):
+                values[part] = float(line.rpartition(" ")[2])
+    if values.get("sum") != n:
+        return None
+    return int(values["count"])
 
 
 def _span_ready(client: redis.Redis, chunks: list[str]) -> list[bool]:
@@ -184,7 +210,7 @@ def measure(size: Size) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for name, drained in TYPES.items():
         with Stack() as stack:
-            _, url = stack.gpulane_api([CLASS, "interactive"], **API)
+            _, url = stack.gpulane_api([CLASS, "interactive"], **API, **drained.api)
             with httpx.Client(base_url=url, timeout=120) as http:
                 data[name] = drain(stack, http, drained.task_type, size.items, **drained.settings)
     with Stack() as stack:  # a task per item: an eighth of the items keeps it short
@@ -250,7 +276,9 @@ def run(size: str, outdir: Path) -> Report:
                f"{data['bulk_distinct']['tasks_per_s']:,.0f} (batched, distinct args)",
                data["bulk_unbatched"]["tasks_per_s"] >= 20_000),
     ]  # fmt: skip
-    report.notes.append(_busy_note(data["batch_device"], data["batch_device_overlap"]))
+    report.notes.append(
+        _busy_note(data["batch_device"], data["batch_device_overlap"], data["batch_device_records"])
+    )
     report.charts.append(_chart(data, outdir))
     report.write(outdir)
     return report
@@ -266,22 +294,25 @@ def _chart(data: dict[str, Any], outdir: Path) -> str:
     return save(fig, outdir, "batched.png")
 
 
-def _busy_note(inline: dict[str, Any], overlapped: dict[str, Any]) -> str:
-    """How much of the drain a GPU would be busy, reports inline and overlapped."""
+def _busy_note(inline: dict[str, Any], overlapped: dict[str, Any], records: dict[str, Any]) -> str:
+    """How much of the drain a GPU would be busy: reports inline and overlapped, and
+    overlapped with a record per item."""
 
     def busy(d: dict[str, Any]) -> str:
-        share = d["chunks"] * DEVICE_S / d["seconds"] if d["seconds"] else 0.0
-        serial = (d["seconds"] / d["chunks"] - DEVICE_S) * 1000
+        share = d["batches"] * DEVICE_S / d["seconds"] if d["seconds"] else 0.0
+        serial = (d["seconds"] / d["batches"] - DEVICE_S) * 1000
         return (
-            f"busy {share:.0%} ({d['chunks']} batches x {DEVICE_S * 1000:g} ms in "
+            f"busy {share:.0%} ({d['batches']} batches x {DEVICE_S * 1000:g} ms in "
             f"{d['seconds']:.2f} s; {serial:.2f} ms a batch the device waits on)"
         )
 
     return (
         f"bench.batch_device, the GPU proxy: the device would be {busy(inline)} with each "
         f"report inline with the next claim, and {busy(overlapped)} with the report in "
-        "flight while the next batch runs (report_overlap). What the device waits on is "
-        "the worker's serial dispatch work per batch: claim, decode, and (inline) report."
+        "flight while the next batch runs (report_overlap); "
+        f"{busy(records)} with a record per item, 64 records a batch (single submits "
+        "batched across clients). What the device waits on is the worker's serial "
+        "dispatch work per batch: claim, decode, and (inline) report."
     )
 
 
