@@ -166,15 +166,15 @@ def drain(
 
 
 def _batches(http: httpx.Client, task_type: str, n: int) -> int | None:
-    """The handler calls that ran the drain's ``n`` items, once the worker's metrics
-    (flushed each heartbeat) count them all: ``gpulane_batch_size``'s count, its sum
-    being ``n``."""
+    """The batches (claims run) that ran the drain's ``n`` items, once the worker's
+    metrics (flushed each heartbeat) count them all: ``gpulane_batch_size``'s count, its
+    sum at least ``n`` (more if a batch ran twice)."""
     values = {}
     for line in http.get("/metrics").text.splitlines():
         for part in ("sum", "count"):
             if line.startswith(f'gpulane_batch_size_{part}{{type="{task_type}"}} '):
                 values[part] = float(line.rpartition(" ")[2])
-    if values.get("sum") != n:
+    if values.get("sum", 0) < n:
         return None
     return int(values["count"])
 
@@ -243,8 +243,9 @@ def run(size: str, outdir: Path) -> Report:
     ]
     report.tables.append(
         Table(
-            "One worker drains a filled queue (bulk-submitted, chunks of 64)",
-            "type | items | chunks | s | items/s | Redis commands per item | failed chunks",
+            "One worker drains a filled queue (bulk-submitted: chunks of 64, or a record "
+            "per item where the row says so)",
+            "type | items | records | s | items/s | Redis commands per item | failed records",
             rows,
         )
     )

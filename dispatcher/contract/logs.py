@@ -2,7 +2,8 @@
 
 Log calls pass context as ``extra`` (``worker``, ``task``, ``class``, ``type``,
 ``elapsed_s``...); both formats print it, so one line per task transition carries the
-task id, class, type, worker and elapsed time.
+task id, class, type, worker and elapsed time (a batch of several records: one line
+each way naming its tasks, ``worker/tasklog.py``).
 
 Identical warnings and errors (same logger, level and text) are let through once per
 ``REPEAT_WINDOW_S``; the next one through carries ``repeated=<n>``, the number held
