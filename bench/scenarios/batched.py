@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import cmdstats
 from bench.gl_tasks import DEVICE_S
@@ -55,6 +56,8 @@ class Drained:
 
 
 DEVICE_ROW = "bench.batch_device (2 ms device wait a batch, packed)"
+# The API chunks nothing of the type (its batch size there is 1): a record per item.
+RECORDS = {"types": json.dumps({"bench.batch_device": {"batch_max_size": 1}})}
 TYPES = {
     "batch_noop": Drained("bench.batch_noop", "bench.batch_noop", "no-op"),
     "batch_vector": Drained("bench.batch_vector", "bench.batch_vector (384 floats)", "384 floats"),
@@ -82,7 +85,16 @@ TYPES = {
         f"{DEVICE_ROW}, a record per item (single submits), reports overlapped",
         "2 ms device, records",
         {"report_overlap": "always"},
-        {"types": json.dumps({"bench.batch_device": {"batch_max_size": 1}})},
+        RECORDS,
+    ),
+    # The same with each record's own log lines (DEBUG), as every record logged two at
+    # INFO before a batch's lines named its tasks (worker/tasklog.py): what they cost.
+    "batch_device_records_lines": Drained(
+        "bench.batch_device",
+        f"{DEVICE_ROW}, a record per item, reports overlapped, each record's log lines",
+        "records, their lines",
+        {"report_overlap": "always", "log_level": "DEBUG"},
+        RECORDS,
     ),
 }
 # The same-run baseline: the no-op with batching off (API and worker), a task per item.
@@ -169,11 +181,13 @@ def _batches(http: httpx.Client, task_type: str, n: int) -> int | None:
     """The batches (claims run) that ran the drain's ``n`` items, once the worker's
     metrics (flushed each heartbeat) count them all: ``gpulane_batch_size``'s count, its
     sum at least ``n`` (more if a batch ran twice)."""
-    values = {}
-    for line in http.get("/metrics").text.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f'gpulane_batch_size_{part}{{type="{task_type}"}} '):
-                values[part] = float(line.rpartition(" ")[2])
+    values = {
+        sample.name.removeprefix("gpulane_batch_size_"): sample.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        if family.name == "gpulane_batch_size"
+        for sample in family.samples
+        if sample.labels.get("type") == task_type
+    }
     if values.get("sum", 0) < n:
         return None
     return int(values["count"])
@@ -278,7 +292,12 @@ def run(size: str, outdir: Path) -> Report:
                data["bulk_unbatched"]["tasks_per_s"] >= 20_000),
     ]  # fmt: skip
     report.notes.append(
-        _busy_note(data["batch_device"], data["batch_device_overlap"], data["batch_device_records"])
+        _busy_note(
+            data["batch_device"],
+            data["batch_device_overlap"],
+            data["batch_device_records"],
+            data["batch_device_records_lines"],
+        )
     )
     report.charts.append(_chart(data, outdir))
     report.write(outdir)
@@ -295,9 +314,14 @@ def _chart(data: dict[str, Any], outdir: Path) -> str:
     return save(fig, outdir, "batched.png")
 
 
-def _busy_note(inline: dict[str, Any], overlapped: dict[str, Any], records: dict[str, Any]) -> str:
+def _busy_note(
+    inline: dict[str, Any],
+    overlapped: dict[str, Any],
+    records: dict[str, Any],
+    lines: dict[str, Any],
+) -> str:
     """How much of the drain a GPU would be busy: reports inline and overlapped, and
-    overlapped with a record per item."""
+    overlapped with a record per item, without and with each record's log lines."""
 
     def busy(d: dict[str, Any]) -> str:
         share = d["batches"] * DEVICE_S / d["seconds"] if d["seconds"] else 0.0
@@ -312,8 +336,9 @@ def _busy_note(inline: dict[str, Any], overlapped: dict[str, Any], records: dict
         f"report inline with the next claim, and {busy(overlapped)} with the report in "
         "flight while the next batch runs (report_overlap); "
         f"{busy(records)} with a record per item, 64 records a batch (single submits "
-        "batched across clients). What the device waits on is the worker's serial "
-        "dispatch work per batch: claim, decode, and (inline) report."
+        f"batched across clients), and {busy(lines)} when each record also logs its two "
+        "lines. What the device waits on is the worker's serial dispatch work per "
+        "batch: claim, decode, and (inline) report."
     )
 
 
