@@ -46,7 +46,7 @@ def _run_all(s: SyncScripts, n: int) -> None:
     claim = options(worker="w", classes=SETTINGS.class_names, aging={}, was_idle=False,
                     device="{}", redeliver=False)  # fmt: skip
     for _ in range(n):
-        task_id, cls, _, attempt, *_ = s.run("claim", claim)
+        task_id, cls, _, attempt, *_ = s.run("claim", claim)[0]  # a batch of one
         done = options(id=task_id.decode(), worker="w", attempt=int(attempt), status="finished",
                        error="", progress="", ttl_s=3600, **{"class": cls.decode()})  # fmt: skip
         s.run("finish", done, json.dumps({"ok": True}))
@@ -58,7 +58,8 @@ def measure(tasks: int) -> dict[str, float]:
         try:
             client = server.client()
             s = SyncScripts(client)
-            reg = options(**lease_options(SETTINGS), worker="w", info={}, catalog={})
+            rq = {"fields": {}, "queues": [], "execution": None}  # RQ's registry: not measured
+            reg = options(**lease_options(SETTINGS), worker="w", info={}, catalog={}, rq=rq)
             s.run("register", reg)
             mem0, cpu0, t0 = (
                 client.info("memory")["used_memory"],

@@ -78,3 +78,19 @@ def test_mixed_doorbell_with_declared_speeds_is_the_ideal() -> None:
     ideal = hetero.central(trace, cfg.speeds, hetero.fastest(cfg.speeds))
     assert mixed.declared(trace, cfg) == ideal
     assert sorted(cfg.names("pull"))[0].endswith("S1")  # by name alone: slow first
+
+
+@pytest.mark.timeout(120)
+def test_the_benches_driving_the_scripts_still_run() -> None:
+    """``bench.redis_cost`` and ``bench.batch_report`` call the Lua scripts directly, so
+    a script's changed options break them where no scenario would notice (redis_cost
+    went stale that way once): each measures a small run, every figure positive."""
+    from bench import batch_report, redis_cost
+
+    cost = redis_cost.measure(200)
+    assert all(cost[k] > 0 for k in ("submit_cpu_us", "claim_finish_cpu_us", "final_bytes"))
+    assert "| Redis CPU, claim + finish |" in redis_cost.report(cost, 200)
+    times = batch_report.measure(1)
+    assert set(times) == {"loopback", "relay"}
+    assert all(ms > 0 for by_mode in times.values() for ms in by_mode.values())
+    assert "| relay |" in batch_report.report(times, 1)
