@@ -1,6 +1,7 @@
 """What reporting a batch's outcomes costs the worker: 64 ``finish.lua`` calls one round
-trip each (how a single task is reported) against one pipelined round trip (how a
-batch is), side by side, over loopback and through a relay that adds latency
+trip each (how a single task is reported) against one round trip (how a batch is: one
+``finish.lua`` call for its records since 2026-12-07, 64 pipelined calls before), side
+by side, over loopback and through a relay that adds latency
 (``testkit.slowlink``), since a worker on another host pays a round trip per call.
 
     python -m bench.batch_report [--rounds 30]   # writes bench/results/batch_report.md
@@ -110,7 +111,7 @@ def report(results: dict[str, dict[str, float]], rounds: int) -> str:
         "# Reporting a batch's outcomes (bench/batch_report.py)",
         "",
         f"Command: `python -m bench.batch_report --rounds {rounds}`. A worker reports a batch",
-        f"of {SIZE} finished items (`finish.lua` each); median time per batch over {rounds}",
+        f"of {SIZE} finished items (`finish.lua`); median time per batch over {rounds}",
         "rounds, the two ways alternating in one run. The relay row goes through",
         f"`testkit.slowlink` (a Python TCP relay set to {LINK_DELAY_MS:g} ms each way), as a",
         "worker on another host would; its real round trip is the PING column (the",

@@ -12,6 +12,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -49,7 +50,7 @@ def _run_all(s: SyncScripts, n: int) -> None:
         task_id, cls, _, attempt, *_ = s.run("claim", claim)[0]  # a batch of one
         done = options(id=task_id.decode(), worker="w", attempt=int(attempt), status="finished",
                        error="", progress="", ttl_s=3600, **{"class": cls.decode()})  # fmt: skip
-        s.run("finish", done, json.dumps({"ok": True}))
+        s.run("finish", f"[{done}]", json.dumps({"ok": True}))  # a batch of one
 
 
 def measure(tasks: int) -> dict[str, float]:
@@ -58,7 +59,7 @@ def measure(tasks: int) -> dict[str, float]:
         try:
             client = server.client()
             s = SyncScripts(client)
-            rq = {"fields": {}, "queues": [], "execution": None}  # RQ's registry: not measured
+            rq: dict[str, Any] = {"fields": {}, "queues": [], "execution": None}  # RQ registry
             reg = options(**lease_options(SETTINGS), worker="w", info={}, catalog={}, rq=rq)
             s.run("register", reg)
             mem0, cpu0, t0 = (

@@ -18,15 +18,17 @@ from redis.retry import Retry
 from support.lua import SETTINGS, register, submit
 
 from dispatcher.contract import keys
+from dispatcher.contract.connect import refused
 from dispatcher.contract.scripts import SyncScripts
 from testkit import RedisServer, wait_for
 from worker.broker import Broker
+from worker.claims import Claimed, Report
 
 NAME = "rt-worker"
-_NO_SUCH_TASK = json.dumps(
-    {"id": "none", "worker": NAME, "class": "batch", "attempt": 1, "status": "finished"}
-    | {"error": "", "progress": "", "ttl_s": 60}
-)
+_NO_SUCH_TASK = json.dumps(  # finish.lua's records: one
+    [{"id": "none", "worker": NAME, "class": "batch", "attempt": 1, "status": "finished"}
+     | {"error": "", "progress": "", "ttl_s": 60}]
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -118,14 +120,62 @@ def test_a_lost_script_is_loaded_and_sent_again_in_one_round_trip(
     held = redis.Redis.from_url(redis_url)
     scripts = SyncScripts(held)
     report = ("finish", (_NO_SUCH_TASK, ""))
-    assert scripts.run_many([report], wait=(0, 10)) == [[b"gone"], 0]  # loaded, no replicas
+    assert scripts.run_many([report], wait=(0, 10)) == [[[b"gone"]], 0]  # loaded, no replicas
     r.script_flush()
     round_trips.clear()
     scripts._bound["broken"] = held.register_script("this is not lua")
     replies = scripts.run_many([report, ("broken", ("{}",)), report], wait=(0, 10))
     assert len(round_trips) == 2  # the calls, then the loads with the lost calls again
     assert round_trips[1].count(b"SCRIPT") == 2 and round_trips[1].count(b"EVALSHA") == 3
-    assert replies[0] == replies[2] == [b"gone"]
+    assert replies[0] == replies[2] == [[b"gone"]]
     assert isinstance(replies[1], ResponseError) and not isinstance(replies[1], NoScriptError)
     assert replies[3] == 0  # WAIT's
     held.close()
+
+
+def _batch(r: redis.Redis, broker: Broker, n: int) -> list[Claimed]:
+    """``n`` tasks queued, then claimed as one batch."""
+    s = SyncScripts(r)
+    register(s, NAME)
+    ids = [submit(s) for _ in range(n)]
+    claims = broker.claim(False, "{}", batch={"echo": n})
+    assert [c.task_id for c in claims] == ids
+    return claims
+
+
+@pytest.mark.parametrize(("records", "calls"), [(1, 1), (64, 1), (65, 2), (130, 3)])
+def test_a_batch_is_reported_in_one_finish_call_per_64_records(
+    r: redis.Redis, broker: Broker, records: int, calls: int
+) -> None:
+    """A batch's records share finish.lua calls (its cost paid once, not per record),
+    at most FINISH_PER_CALL each, so that none holds Redis long; all in one round trip."""
+    claims = _batch(r, broker, records)
+    r.config_resetstat()
+    replies = broker.finish_many([Report(c, "finished", json.dumps({"i": k})) for k, c in
+                                  enumerate(claims)])  # fmt: skip
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == calls
+    assert [reply[0] for reply in replies] == ["ok"] * records  # type: ignore[index]
+    stored = [r.hget(keys.job(c.task_id), "result") for c in claims]
+    assert stored == [json.dumps({"i": k}).encode() for k in range(records)]  # each its own
+    assert r.llen(keys.inflight(NAME, "batch")) == 0
+
+
+def test_an_error_on_one_record_is_its_own_the_others_are_recorded(
+    r: redis.Redis, broker: Broker
+) -> None:
+    """Records that share a finish.lua call stand alone, as with a call each: a record
+    the script fails on (here its hash replaced by a string) answers with that error,
+    a script error (refused: the worker gives that one up), and the rest are recorded."""
+    claims = _batch(r, broker, 5)
+    broken = claims[2].task_id
+    r.delete(keys.job(broken))
+    r.set(keys.job(broken), "not a hash")
+    replies = broker.finish_many([Report(c, "finished", "{}") for c in claims])
+    error = replies[2]
+    assert isinstance(error, ResponseError) and "WRONGTYPE" in str(error)
+    assert refused(error)
+    for claimed, reply in zip(claims, replies, strict=True):
+        if claimed.task_id != broken:
+            assert not isinstance(reply, Exception) and reply[0] == "ok"
+            assert r.hget(keys.job(claimed.task_id), "status") == b"finished"
+    assert _ids(r, keys.inflight(NAME, "batch")) == [broken]  # left for the reaper

@@ -36,6 +36,13 @@ __all__ = ["Broker"]
 
 
 _CLAIMS_KEPT = 64  # claim options remembered (they vary with the GPU memory free)
+# Records one finish.lua call reports: a batch's (64 by default) in one call, a larger
+# one in several, so that no call holds Redis, which runs one script at a time, for
+# much longer than a batch of 64 takes (a few ms on a slow machine).
+FINISH_PER_CALL = 64
+# The reports a call carries, by index: (True: an answer for each, as finish.lua gives;
+# False: one answer, split.lua's, for its one run).
+Carried = tuple[bool, list[int]]
 
 
 class Broker:
@@ -236,26 +243,28 @@ class Broker:
         return finished, claimed
 
     def finish_many(self, reports: Sequence[Report]) -> list[Finished | RedisError]:
-        """Record several outcomes (a batch's) in one round trip, each atomic on its own:
-        a report Redis refused is its exception in the list. With ``min_replica_acks``
-        one WAIT covers them all, and too few acks raise :class:`ReplicaLag` with the
-        replies, for the whole set (sent again whole: finish.lua answers 'duplicate' to
-        an outcome it already holds)."""
+        """Record several outcomes (a batch's) in one round trip, in one finish.lua call
+        per :data:`FINISH_PER_CALL` records (a split has its own split.lua call), each
+        record on its own: a report Redis refused (its call refused whole, or its own
+        error) is its exception in the list. With ``min_replica_acks`` one WAIT covers
+        them all, and too few acks raise :class:`ReplicaLag` with the replies, for the
+        whole set (sent again whole: finish.lua answers 'duplicate' to an outcome it
+        already holds)."""
         return self._finish(reports, None)[0]
 
     def _finish(
         self, reports: Sequence[Report], claim_opts: str | None
     ) -> tuple[list[Finished | RedisError], list[Claimed] | RedisError | None]:
         """The reports' answers and, with ``claim_opts``, the claim's (None without)."""
-        calls = [self._report_call(r) for r in reports]
+        calls, carried = self._report_calls(reports)
         if claim_opts is not None:
             calls.append(("claim", (claim_opts,)))
-        n = len(reports)
+        n = len(carried)
         try:
             replies = self._run_all_acked(calls)
         except ReplicaLag as exc:
-            raise ReplicaLag(str(exc), [parse_finished(r) for r in exc.replies[:n]]) from None
-        finished = [parse_finished(reply) for reply in replies[:n]]
+            raise ReplicaLag(str(exc), _spread(exc.replies[:n], carried, len(reports))) from None
+        finished = _spread(replies[:n], carried, len(reports))
         if claim_opts is None:
             return finished, None
         claimed = replies[n]
@@ -263,11 +272,30 @@ class Broker:
             return finished, claimed
         return finished, [self._claimed(task) for task in claimed or []]
 
-    def _report_call(self, report: Report) -> tuple[str, Sequence[bytes | str]]:
-        """The script that records ``report``: finish.lua, or split.lua for a split."""
+    def _report_calls(
+        self, reports: Sequence[Report]
+    ) -> tuple[list[tuple[str, Sequence[bytes | str]]], list[Carried]]:
+        """The scripts that record ``reports``, and which reports each call carries:
+        finish.lua for up to :data:`FINISH_PER_CALL` records at a time, split.lua for
+        each split."""
+        calls: list[tuple[str, Sequence[bytes | str]]] = []
+        carried: list[Carried] = []
+        plain = [k for k, report in enumerate(reports) if report.split is None]
+        for start in range(0, len(plain), FINISH_PER_CALL):
+            group = plain[start : start + FINISH_PER_CALL]
+            opts = "[" + ",".join(self._finish_options(reports[k]) for k in group) + "]"
+            calls.append(("finish", (opts, *(reports[k].result_json for k in group))))
+            carried.append((True, group))
+        for k, report in enumerate(reports):
+            if report.split is not None:
+                calls.append(("split", self._split_argv(report)))
+                carried.append((False, [k]))
+        return calls, carried
+
+    def _split_argv(self, report: Report) -> tuple[bytes | str, ...]:
+        """split.lua's arguments for a run that split into parts."""
         split = report.split
-        if split is None:
-            return ("finish", (self._finish_options(report), report.result_json))
+        assert split is not None
         task = report.claimed
         opts = options(
             id=task.task_id,
@@ -285,7 +313,7 @@ class Broker:
             file=split.file,
             **({"labels": list(split.labels)} if split.labels is not None else {}),
         )
-        return ("split", (opts, *split.calls))
+        return (opts, *split.calls)
 
     def live_workers(self, cls: str) -> int:
         """Workers registered as serving ``cls`` (RQ's per-queue index, kept by their
@@ -419,3 +447,20 @@ class Broker:
 
     def unregister(self) -> list[Reaped]:
         return parse_reaped(self._scripts.run("unregister", options(**self._lease_opts())))
+
+
+def _spread(replies: Sequence[Any], carried: list[Carried], n: int) -> list[Finished | RedisError]:
+    """Each of ``n`` reports' answer, from the replies of the calls that carried them:
+    a finish.lua call answers for each of its records; a call Redis refused whole (or
+    that never ran) answers with its error for each."""
+    out: dict[int, Finished | RedisError] = {}
+    for reply, (each, group) in zip(replies, carried, strict=True):
+        if isinstance(reply, RedisError):
+            for k in group:
+                out[k] = reply
+        elif each:  # finish.lua: an answer per record
+            for k, one in zip(group, reply, strict=True):
+                out[k] = parse_finished(one)
+        else:  # split.lua: one run's
+            out[group[0]] = parse_finished(reply)
+    return [out[k] for k in range(n)]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from dispatcher.contract import vectors
 from dispatcher.contract.reap import Reaped
@@ -72,8 +72,13 @@ Finished = tuple[FinishVerdict, int | None]
 
 
 def parse_finished(reply: Any) -> Finished | RedisError:
+    """One record's answer from finish.lua (or split.lua's); an error finish.lua met on
+    that record alone (``{'error', message}``) is a script error, as it was when each
+    record had a call of its own."""
     if isinstance(reply, RedisError):
         return reply
+    if as_text(reply[0]) == "error":
+        return ResponseError(as_text(reply[1]))
     verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
     return verdict, int(reply[1]) if verdict == "ok" else None
 

@@ -4,9 +4,10 @@ few replica acks are waited out (the heartbeat keeps the lease meanwhile). Only 
 script error (retrying would repeat it) or a stop past the grace period gives up, and
 then the lease hands the task to another worker (at-least-once).
 
-A batch's results go in one round trip (``finish.lua`` once per item, pipelined),
-not one per item: a batch of 64 would otherwise spend 64 round trips reporting, more
-than its GPU time when Redis is on another host. Hand-backs (shutdown, retry, GPU
+A batch's results go in one round trip and one ``finish.lua`` call (per 64 records:
+``Broker.finish_many``), not one per item: a batch of 64 would otherwise spend 64
+round trips reporting, more than its GPU time when Redis is on another host, and 64
+times the script's own cost in Redis. Hand-backs (shutdown, retry, GPU
 fault: rare) still go one task at a time, last first, to keep their order.
 """
 

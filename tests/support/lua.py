@@ -120,4 +120,4 @@ def finish(
     timed = {} if device_us is None else {"device_us": device_us}
     opts = options(id=task_id, worker=worker, attempt=attempt, status="finished", error="",
                    progress="", ttl_s=60, **{"class": cls}, **timed)  # fmt: skip
-    return bytes(s.run("finish", opts, json.dumps(result))[0])
+    return bytes(s.run("finish", f"[{opts}]", json.dumps(result))[0][0])  # a batch of one
