@@ -50,6 +50,7 @@ def _run_all(s: SyncScripts, n: int, batch: int = 1) -> None:
     claim = options(worker="w", classes=SETTINGS.class_names, aging={}, was_idle=False,
                     device="{}", redeliver=False, batch={"echo": batch})  # fmt: skip
     result = json.dumps({"ok": True})
+    done = 0
     for _ in range(0, n, batch):
         reports = [
             options(id=task[0].decode(), worker="w", attempt=int(task[3]), status="finished",
@@ -57,6 +58,8 @@ def _run_all(s: SyncScripts, n: int, batch: int = 1) -> None:
             for task in s.run("claim", claim)
         ]  # fmt: skip
         s.run("finish", "[" + ",".join(reports) + "]", *[result] * len(reports))
+        done += len(reports)
+    assert done == n, f"{done} of {n} tasks claimed: the figures would be per a wrong count"
 
 
 def measure(tasks: int) -> dict[str, float]:

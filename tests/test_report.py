@@ -79,7 +79,7 @@ def test_a_batch_is_reported_in_one_round_trip(
     claims = _batch(r, settings, broker, 4)
     round_trips.clear()
     ended = reporter.report(_runs(claims))
-    assert len(round_trips) == 1  # four finish.lua calls in one packet, nothing before
+    assert len(round_trips) == 1  # one finish.lua call for the four, nothing before
     assert all(ms is not None for ms in ended)
     assert [_status(r, c) for c in claims] == ["finished"] * 4
     assert r.llen(keys.inflight(NAME, "batch")) == 0
@@ -97,7 +97,7 @@ def test_the_next_claim_rides_with_the_report(
     round_trips.clear()
     opts = broker.claim_options(False, "{}", batch={TYPE: 4})
     ended = reporter.report(_runs(first), opts)
-    assert len(round_trips) == 1  # two finish.lua and the claim in one packet
+    assert len(round_trips) == 1  # the finish.lua call for two and the claim in one packet
     assert all(ms is not None for ms in ended)
     assert reporter.claimed is not None and not reporter.claim_lost
     assert [c.task_id for c in reporter.claimed] == queued

@@ -17,6 +17,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 from support.lua import SETTINGS, register, submit
 
+import worker.broker
 from dispatcher.contract import keys
 from dispatcher.contract.connect import refused
 from dispatcher.contract.scripts import SyncScripts
@@ -179,3 +180,26 @@ def test_an_error_on_one_record_is_its_own_the_others_are_recorded(
             assert not isinstance(reply, Exception) and reply[0] == "ok"
             assert r.hget(keys.job(claimed.task_id), "status") == b"finished"
     assert _ids(r, keys.inflight(NAME, "batch")) == [broken]  # left for the reaper
+
+
+def test_a_call_carries_a_bounded_size_of_results(
+    r: redis.Redis, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis holds a command's arguments whole before it runs: a call ends before a
+    result that would take it past FINISH_BYTES_PER_CALL (one larger goes alone)."""
+    monkeypatch.setattr(worker.broker, "FINISH_BYTES_PER_CALL", 1000)
+    claims = _batch(r, broker, 5)
+    sizes = [400, 400, 400, 1500, 100]  # calls: [400, 400], [400], [1500], [100]
+    r.config_resetstat()
+    results = [json.dumps("x" * (n - 2)) for n in sizes]  # n characters each
+    reports = [Report(c, "finished", res) for c, res in zip(claims, results, strict=True)]
+    replies = broker.finish_many(reports)
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 4
+    assert [reply[0] for reply in replies] == ["ok"] * 5  # type: ignore[index]
+
+
+def test_finish_refuses_a_record_not_in_a_list(r: redis.Redis) -> None:
+    """One record's options as an object (not a list of one) would loop over nothing
+    and record nothing: refused, a script error."""
+    with pytest.raises(ResponseError, match="list of records"):
+        SyncScripts(r).run("finish", _NO_SUCH_TASK[1:-1], "")

@@ -38,8 +38,12 @@ __all__ = ["Broker"]
 _CLAIMS_KEPT = 64  # claim options remembered (they vary with the GPU memory free)
 # Records one finish.lua call reports: a batch's (64 by default) in one call, a larger
 # one in several, so that no call holds Redis, which runs one script at a time, for
-# much longer than a batch of 64 takes (a few ms on a slow machine).
+# much longer than a batch of 64 takes (a few ms on a slow machine); and results one
+# call carries past its first record's: Redis holds a command's arguments whole before
+# it runs (a client's query buffer is capped at 1 GB, where it drops the connection),
+# and 64 results of up to max_result_bytes each would be a gigabyte.
 FINISH_PER_CALL = 64
+FINISH_BYTES_PER_CALL = 8 * 1024 * 1024
 # The reports a call carries, by index: (True: an answer for each, as finish.lua gives;
 # False: one answer, split.lua's, for its one run).
 Carried = tuple[bool, list[int]]
@@ -276,13 +280,12 @@ class Broker:
         self, reports: Sequence[Report]
     ) -> tuple[list[tuple[str, Sequence[bytes | str]]], list[Carried]]:
         """The scripts that record ``reports``, and which reports each call carries:
-        finish.lua for up to :data:`FINISH_PER_CALL` records at a time, split.lua for
-        each split."""
+        finish.lua for up to :data:`FINISH_PER_CALL` records (and
+        :data:`FINISH_BYTES_PER_CALL` of results) at a time, split.lua for each split."""
         calls: list[tuple[str, Sequence[bytes | str]]] = []
         carried: list[Carried] = []
         plain = [k for k, report in enumerate(reports) if report.split is None]
-        for start in range(0, len(plain), FINISH_PER_CALL):
-            group = plain[start : start + FINISH_PER_CALL]
+        for group in _groups(plain, [len(reports[k].result_json) for k in plain]):
             opts = "[" + ",".join(self._finish_options(reports[k]) for k in group) + "]"
             calls.append(("finish", (opts, *(reports[k].result_json for k in group))))
             carried.append((True, group))
@@ -447,6 +450,24 @@ class Broker:
 
     def unregister(self) -> list[Reaped]:
         return parse_reaped(self._scripts.run("unregister", options(**self._lease_opts())))
+
+
+def _groups(indexes: list[int], sizes: list[int]) -> list[list[int]]:
+    """``indexes`` in order, cut into finish.lua calls: a call ends at
+    :data:`FINISH_PER_CALL` records, or before a result that would take it past
+    :data:`FINISH_BYTES_PER_CALL` (a larger result goes in a call of its own)."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    carried = 0
+    for k, size in zip(indexes, sizes, strict=True):
+        if group and (len(group) == FINISH_PER_CALL or carried + size > FINISH_BYTES_PER_CALL):
+            groups.append(group)
+            group, carried = [], 0
+        group.append(k)
+        carried += size
+    if group:
+        groups.append(group)
+    return groups
 
 
 def _spread(replies: Sequence[Any], carried: list[Carried], n: int) -> list[Finished | RedisError]:

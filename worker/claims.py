@@ -78,7 +78,9 @@ def parse_finished(reply: Any) -> Finished | RedisError:
     if isinstance(reply, RedisError):
         return reply
     if as_text(reply[0]) == "error":
-        return ResponseError(as_text(reply[1]))
+        message = reply[1]  # it may quote a record's bytes
+        text = message.decode(errors="replace") if isinstance(message, bytes) else str(message)
+        return ResponseError(text)
     verdict: FinishVerdict = script_verdict(reply[0], FinishVerdict)
     return verdict, int(reply[1]) if verdict == "ok" else None
 

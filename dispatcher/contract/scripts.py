@@ -9,7 +9,8 @@ again, by redis-py for single calls and by :meth:`SyncScripts.run_many` for a wo
 round trips.
 
 Options travel as one JSON object in ``ARGV[1]`` (readable Lua, no positional soup);
-binary payloads (call data, files, results) follow as raw arguments.
+binary payloads (call data, files, results) follow as raw arguments. ``finish.lua``
+takes a list of such objects, one per record of a batch, and each record's result.
 
 Every script declares its flags (a ``#!lua`` first line, :data:`FLAGS`), so a Redis
 at ``maxmemory`` (``noeviction``) decides before a script runs: a script that may

@@ -41,8 +41,12 @@ local function finish(o, result)
   return {'ok', now}
 end
 
+local records = cjson.decode(ARGV[1])
+if #records == 0 or #records ~= #ARGV - 1 then -- an object (one record, unlisted) has no length
+  error('finish takes a list of records and a result argument for each')
+end
 local out = {}
-for i, o in ipairs(cjson.decode(ARGV[1])) do
+for i, o in ipairs(records) do
   local ok, reply = pcall(finish, o, ARGV[1 + i])
   if not ok then -- an error is its message, or a table holding it in `err`
     reply = {'error', type(reply) == 'table' and tostring(reply.err) or tostring(reply)}
