@@ -22,6 +22,7 @@ from gl_vector_tasks import NO_VECTOR, PAST_FLOAT32, vector
 from support.catalog import tenant
 from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
+from dispatcher.contract.jobs import decode_call
 from dispatcher.contract.settings import ClassConfig
 from testkit import ApiServer, wait_for
 
@@ -255,3 +256,25 @@ def test_a_model_type_of_ones_own_gets_texts_and_gives_numbers(
         with pytest.raises(openai.APIStatusError) as raised:
             sdk.embeddings.create(model=VECTORS, input=["a", PAST_FLOAT32], encoding_format=fmt)  # type: ignore[arg-type]
         assert raised.value.status_code == 502
+
+
+def test_a_request_is_packed_longest_first_and_answered_in_input_order(
+    api: ApiServer, sdk: openai.OpenAI, r: redis.Redis, start_worker: WorkerFactory
+) -> None:
+    """A model pads a batch to its longest input: the inputs of a request that fills
+    several chunks are packed longest first, so each chunk holds like lengths, and the
+    answer still gives each input its own vector at its own index."""
+    start_worker("vectors-w", extra=["--tasks", "gl_vector_tasks"])
+    lengths = [3, 17, 1, 9, 20, 5, 12, 2, 14, 8, 19, 6, 11, 4, 16, 7, 10, 15, 18, 13]
+    texts = ["x" * n for n in lengths]  # 20 inputs: chunks of 8, 8 and 4
+    answer = sdk.embeddings.create(model=VECTORS, input=texts, encoding_format="float")
+    assert [d.index for d in answer.data] == list(range(len(texts)))
+    assert [d.embedding for d in answer.data] == [vector(t) for t in texts]
+    chunks = []
+    for key in r.scan_iter("rq:job:*"):
+        if r.hget(key, "items"):
+            call = decode_call(r.hget(key, "data") or b"")
+            chunks.append([len(item["text"]) for item in call.items or []])
+    assert sorted(map(len, chunks)) == [4, 8, 8]
+    packed = [n for chunk in sorted(chunks, key=max, reverse=True) for n in chunk]
+    assert packed == sorted(lengths, reverse=True)

@@ -2,7 +2,8 @@
 
 A call's inputs are one request of the model's task type (the catalog maps a model id
 to the type that serves it), in the class ``openai_class``: packed into chunks of the
-type's batch size (:mod:`dispatcher.api.bulk`) and admitted as one unit sized in
+type's batch size (:mod:`dispatcher.api.bulk`), longest first (:func:`packing_order`),
+and admitted as one unit sized in
 items, so admission, tenants, quotas, fairness and dynamic batching apply as to
 ``POST /tasks``, and no input has a record of its own. The route waits for every
 chunk through the process' task waiters (no polling), and answers in OpenAI's shape.
@@ -14,7 +15,6 @@ status the official SDK expects; the ``Retry-After`` and rate-limit headers are 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import orjson
@@ -166,11 +166,25 @@ async def _body(request: Request, svc: Services) -> tuple[EmbeddingsRequest, dic
         raise first_error(exc) from None
 
 
+def packing_order(texts: list[str], chunk: int) -> list[int]:
+    """The inputs' indices in the order they are packed into chunks: longest first
+    (in characters, as sentence-transformers sorts its batches) when they fill more
+    than one chunk, ties in input order. A model pads a batch to its longest input,
+    so chunks of like lengths spend no work on padding: 512 texts of 10-200 tokens
+    packed in input order ran at half the rate of the same texts packed by length
+    (all-MiniLM-L6-v2, 2 CPU cores; on a GPU the padding is as much wasted work).
+    Within one chunk the order is the model's own business."""
+    if len(texts) <= chunk:
+        return list(range(len(texts)))
+    return sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+
+
 async def _pack(
     svc: Services, principal: Principal, task_type: str, texts: list[str]
-) -> tuple[Submission, list[Record]]:
-    """The inputs as one request, checked: chunks of the type's batch size, in input
-    order, to be admitted whole or refused whole."""
+) -> tuple[Submission, list[Record], list[int]]:
+    """The inputs as one request, checked: chunks of the type's batch size, packed in
+    :func:`packing_order` (returned: the answer puts each back at its index), to be
+    admitted whole or refused whole."""
     cls = svc.settings.openai_task_class
     if not principal.may_use(cls):
         message = f"This key may not use class {cls!r}, which serves /v1/embeddings."
@@ -183,8 +197,9 @@ async def _pack(
     # Vectors asked for packed, whatever the client wants: a quarter of the bytes, and
     # passed through to a base64 client untouched (a handler may ignore it: lists).
     packer = Packer(encoding_format=vectors.BASE64)
-    for text in texts:
-        packer.add(task_type, {"text": text}, timeout_s, gpu_mb, chunk)
+    order = packing_order(texts, chunk)
+    for i in order:
+        packer.add(task_type, {"text": texts[i]}, timeout_s, gpu_mb, chunk)
     records, _ = packer.done()
     sub = Submission(
         task_type,
@@ -200,7 +215,7 @@ async def _pack(
         fits_ever(len(texts), len(records), sub, svc.settings)
     except ApiError as exc:  # no retry could fit it: OpenAI's 400 on `input`
         raise _invalid(f"'input': {exc.message}", "input") from None
-    return sub, records
+    return sub, records, order
 
 
 async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
@@ -231,15 +246,18 @@ def _bad_result(index: int, exc: Exception) -> ApiError:
     return ApiError(502, ErrorCode.INVALID_RESULT, message)
 
 
-def _items(records: list[dict[str, Any] | None]) -> Iterator[dict[str, Any]]:
-    """Each input's record, in order: a task's own, or its item of a chunk."""
+def _items(records: list[dict[str, Any] | None], order: list[int]) -> list[dict[str, Any]]:
+    """Each input's record, in input order: a task's own, or its item of a chunk
+    (the records hold them in ``order``, see :func:`packing_order`)."""
+    packed: list[dict[str, Any]] = []
     for record in records:
         assert record is not None  # the caller checked every one is final
         count = record.get("items")
-        if count:
-            yield from (chunk_item(record, k) for k in range(count))
-        else:
-            yield record
+        packed.extend((chunk_item(record, k) for k in range(count)) if count else [record])
+    items: list[dict[str, Any]] = [{}] * len(order)
+    for index, item in zip(order, packed, strict=True):
+        items[index] = item
+    return items
 
 
 def _encode(vector: Any, fmt: str) -> tuple[list[float] | str, int]:
@@ -301,7 +319,7 @@ async def _embeddings(request: Request) -> Response:
         return Response(relayed, media_type="application/json", headers=headers)
     texts = req.input if isinstance(req.input, list) else [req.input]
     dimensions, fmt = req.dimensions, req.encoding_format
-    sub, packed = await _pack(svc, principal, models[model], texts)
+    sub, packed, order = await _pack(svc, principal, models[model], texts)
     ids = [r.task_id for r in packed]
     scope, timeout_s = principal.task_scope, svc.settings.openai_timeout_s
     # Watched before they exist: each record's first read is its final one.
@@ -323,8 +341,7 @@ async def _embeddings(request: Request) -> Response:
         raise ApiError(504, "timeout", "The embeddings did not finish in time.")
     data: list[dict[str, Any]] = []
     tokens = 0
-    for item in _items(records):
-        index = len(data)
+    for index, item in enumerate(_items(records, order)):
         if item["status"] != TaskStatus.SUCCEEDED:
             raise _item_error(item, index)
         result = item["result"]
