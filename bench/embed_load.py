@@ -12,13 +12,15 @@ per peer on ``short`` texts and 8 on ``long`` ones (10x the tokens).
 - (c) :func:`closed_loop` with 8 clients of 256 inputs per request; inputs/s, p50, p99;
 - :func:`at_half_load`: Poisson arrivals of single-input requests at half a given rate
   (the capacity measured in (b)) for T seconds, open loop; p50, p99;
-- :func:`in_process`: ``model.encode`` on batches of 64 in this process (the project
-  venv's sentence-transformers through ``worker.tasks.embed``), inputs/s: the limit.
+- :func:`in_process`: one ``model.encode`` call at ``batch_size`` 64 in this process
+  (the project venv's sentence-transformers through ``worker.tasks.embed``; it sorts
+  the texts by length), inputs/s: the limit.
 
 Texts: :func:`corpus` makes ``short`` (about 20 tokens) or ``long`` (about 200 tokens)
 sentences from a word list, deterministic for a seed (every word is one WordPiece token
 of the model's vocabulary, so a sentence of k words is k + 2 tokens with [CLS], [SEP]:
-16-20 words, 18-22 tokens; 190-206 words, 192-208 tokens).
+16-20 words, 18-22 tokens; 190-206 words, 192-208 tokens), or ``mixed`` (8-200 words,
+10-202 tokens, uniformly: a document indexer's chunks).
 
 ``python -m bench.embed_load --size quick --rows abcp --in-process`` starts each peer
 in turn (``--peer infinity``: one of them) and prints their rows as markdown tables,
@@ -50,7 +52,10 @@ WORDS = [
     *("between", "network", "storage", "sentence", "city", "river", "house", "light"),
     *("water", "music", "paper", "market", "school", "garden", "window", "morning"),
 ]
-LENGTHS = {"short": (16, 20), "long": (190, 206)}  # words per sentence, inclusive
+# Words per sentence, inclusive. ``mixed`` is what a document indexer sends: chunks of
+# any length up to the model's window, where a batch's padding to its longest input
+# is most of the work unless like lengths are batched together.
+LENGTHS = {"short": (16, 20), "long": (190, 206), "mixed": (8, 200)}
 
 
 @dataclass(frozen=True)
@@ -216,8 +221,8 @@ async def at_half_load(
 
 
 def in_process(texts: list[str]) -> float:
-    """Inputs/s of ``model.encode`` on batches of 64 in this process, on the bench's
-    device: the embed scenario's limit, measured the same way."""
+    """Inputs/s of one ``model.encode`` call at batch size 64 in this process, on the
+    bench's device: the embed scenario's limit, measured the same way."""
     from bench.scenarios.embed import in_process_limit
 
     return in_process_limit(texts)
