@@ -225,7 +225,7 @@ def in_process(texts: list[str]) -> float:
     bench's device: the embed scenario's limit, measured the same way."""
     from bench.scenarios.embed import in_process_limit
 
-    return in_process_limit(texts)
+    return in_process_limit(texts, whole=True)
 
 
 async def rows(

@@ -5,12 +5,13 @@ The model is the ``embed`` task's (all-MiniLM-L6-v2, ``gpulane[models]``) on the
 worker's device: the CPU here (``--gpu none``). Texts are generated sentences of 8-40
 words, the same list for every configuration. Three measurements:
 
-- limit: this process loads the model and calls ``model.encode(texts, batch_size=64)``
-  (the ``embed`` batch size) once over all the texts, no worker running (it sorts them
-  by length: batches of like lengths); once before and once after the worker runs (a
-  shared machine drifts), the mean is the limit;
+- limit: this process loads the model and calls ``model.encode(texts)`` on batches of
+  64 (the ``embed`` batch size) in the texts' order, as the worker takes them off the
+  queue, until every text is embedded, no worker running; once before and once after
+  the worker runs (a shared machine drifts), the mean is the limit;
 - saturated throughput: a queue filled with N ``embed`` tasks (``submit.lua``, as the
-  API makes them) before one worker (model loaded, idle) drains it, with batching off
+  API makes them) before one worker (model loaded, idle, warmed by one untimed drain
+  of the same texts) drains it, with batching off
   (``GPULANE_TYPES='{"embed": {"batch_max_size": 1}}'``) and on (the type's own
   ``Batch(max_size=64, max_wait_ms=5)``); tasks/s from the first start to the last
   end (Redis clock);
@@ -74,12 +75,15 @@ def texts(n: int, seed: int = 12) -> list[str]:
 _WARMED: set[int] = set()  # corpora in_process_limit has passed over once
 
 
-def in_process_limit(corpus: list[str]) -> float:
-    """Texts/s of one ``model.encode`` call over the corpus at ``batch_size``
-    :data:`BATCH`, in this process, as a user writes it: sentence-transformers sorts
-    the texts by length first, so each batch of 64 holds like lengths and pads little
-    (texts of mixed lengths encoded 64 at a time in their own order ran at about half
-    that rate on 2 CPU cores)."""
+def in_process_limit(corpus: list[str], whole: bool = False) -> float:
+    """Texts/s of ``model.encode`` at ``batch_size`` :data:`BATCH` in this process.
+
+    ``whole``: one call over the corpus, as a client holding all its texts writes it
+    (sentence-transformers sorts them by length, so each batch of 64 holds like
+    lengths and pads little; ``/v1/embeddings`` packs a request's inputs the same
+    way). Otherwise one call per 64 texts in the corpus's order: what a worker draining
+    a queue of single texts, first come first served, can batch. Texts of mixed
+    lengths run at about twice the rate whole (2 CPU cores)."""
     from worker.tasks import embed
 
     encode = {"batch_size": BATCH, "normalize_embeddings": True, "show_progress_bar": False}
@@ -95,7 +99,10 @@ def in_process_limit(corpus: list[str]) -> float:
     else:
         model.encode(corpus[:BATCH], **encode)  # the model's threads awake again
     started = time.perf_counter()
-    model.encode(corpus, **encode)
+    for batch in (
+        [corpus] if whole else [corpus[i : i + BATCH] for i in range(0, len(corpus), BATCH)]
+    ):
+        model.encode(batch, **encode)
     return len(corpus) / (time.perf_counter() - started)
 
 
@@ -176,6 +183,10 @@ def measure(size: Size) -> dict[str, Any]:
         with Stack() as stack:
             _start(stack, f"embed-{name.split()[-1]}", types)
             submitter = Submitter(stack.client(), [CLASS])
+            # One untimed drain first, as the limit gets one untimed pass: a fresh
+            # worker's first batches build their shapes' kernels and fault in their
+            # memory, 2-4x slower for ~3 batches after this process ran the model.
+            _saturated(stack, submitter, corpus[: size.tasks])
             sat = _saturated(stack, submitter, corpus[: size.tasks])
             load_rate = load_rate or 0.5 * sat["rate"]  # half of batching off's capacity
             out[name] = {**sat, "load_rate": load_rate}
