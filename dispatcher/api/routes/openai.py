@@ -3,13 +3,13 @@
 A call's inputs are one request of the model's task type (the catalog maps a model id
 to the type that serves it), in the class ``openai_class``: packed into chunks of the
 type's batch size (:mod:`dispatcher.api.bulk`), longest first (:func:`packing_order`),
-and admitted as one unit sized in
-items, so admission, tenants, quotas, fairness and dynamic batching apply as to
-``POST /tasks``, and no input has a record of its own. The route waits for every
-chunk through the process' task waiters (no polling), and answers in OpenAI's shape.
-Tenant keys are the API keys (``Authorization: Bearer``). Errors raised inside these
-routes use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, with the
-status the official SDK expects; the ``Retry-After`` and rate-limit headers are kept.
+and admitted as one unit sized in items, so admission, tenants, quotas, fairness and
+dynamic batching apply as to ``POST /tasks``, and no input has a record of its own.
+The route waits for every chunk through the process' task waiters (no polling), and
+answers in OpenAI's shape. Tenant keys are the API keys (``Authorization: Bearer``).
+Errors raised inside these routes use OpenAI's body, ``{"error": {"message", "type",
+"param", "code"}}``, with the status the official SDK expects; the ``Retry-After`` and
+rate-limit headers are kept.
 """
 
 from __future__ import annotations
