@@ -221,8 +221,8 @@ async def at_half_load(
 
 
 def in_process(texts: list[str]) -> float:
-    """Inputs/s of one ``model.encode`` call at batch size 64 in this process, on the
-    bench's device: the embed scenario's limit, measured the same way."""
+    """Inputs/s of one ``model.encode`` call at batch size 64 over ``texts`` in this
+    process, on the bench's device (the embed scenario's limit function, ``whole``)."""
     from bench.scenarios.embed import in_process_limit
 
     return in_process_limit(texts, whole=True)

@@ -22,6 +22,7 @@ from gl_vector_tasks import NO_VECTOR, PAST_FLOAT32, vector
 from support.catalog import tenant
 from support.models import EMBED_TASKS, MODEL, requires_models, wait_model_loaded
 
+from dispatcher.contract import keys
 from dispatcher.contract.jobs import decode_call
 from dispatcher.contract.settings import ClassConfig
 from testkit import ApiServer, wait_for
@@ -271,7 +272,7 @@ def test_a_request_is_packed_longest_first_and_answered_in_input_order(
     assert [d.index for d in answer.data] == list(range(len(texts)))
     assert [d.embedding for d in answer.data] == [vector(t) for t in texts]
     chunks = []
-    for key in r.scan_iter("rq:job:*"):
+    for key in r.scan_iter(keys.job("*")):
         if r.hget(key, "items"):
             call = decode_call(r.hget(key, "data") or b"")
             chunks.append([len(item["text"]) for item in call.items or []])

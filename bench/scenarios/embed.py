@@ -99,11 +99,10 @@ def in_process_limit(corpus: list[str], whole: bool = False) -> float:
         _WARMED.add(seen)
     else:
         model.encode(corpus[:BATCH], **encode)  # the model's threads awake again
+    call = len(corpus) if whole else BATCH  # texts per model.encode call
     started = time.perf_counter()
-    for batch in (
-        [corpus] if whole else [corpus[i : i + BATCH] for i in range(0, len(corpus), BATCH)]
-    ):
-        model.encode(batch, **encode)
+    for i in range(0, len(corpus), call):
+        model.encode(corpus[i : i + call], **encode)
     return len(corpus) / (time.perf_counter() - started)
 
 
