@@ -20,4 +20,5 @@ SCENARIOS = (
     "generate",
     "device",
     "documents",
+    "cpu_share",
 )

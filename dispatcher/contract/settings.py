@@ -391,6 +391,11 @@ class Settings(BaseSettings):
 
     # Worker pool.
     cpu_workers: int = Field(2, ge=1, description="Workers `up --workers auto` starts with no GPU.")
+    cpu_pinning: bool = Field(
+        True,
+        description="`up` pins each CPU worker to its own share of the CPUs, so their "
+        "model threads do not contend; false: every worker may run on all of them.",
+    )
     task_modules: list[str] = Field(
         default_factory=lambda: ["worker.tasks.builtin"],
         description="Modules whose @task functions workers load (`worker --tasks` overrides).",

@@ -35,6 +35,7 @@ from typing import IO, Any
 
 import httpx
 
+from dispatcher.contract import cpus as cpus_mod
 from dispatcher.contract.connect import describe as describe_redis
 from dispatcher.contract.exits import EXIT_OK, describe
 from dispatcher.contract.settings import Settings
@@ -66,6 +67,7 @@ class Child:
     env: dict[str, str]
     label: str = ""
     pass_fds: tuple[int, ...] = ()
+    cpus: list[int] | None = None  # pinned to these (a CPU worker's share); None: all
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     quick_exits: int = 0
@@ -81,7 +83,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             pass_fds=self.pass_fds,
-            preexec_fn=_child_setup(),  # noqa: PLW1509 - the supervisor runs no threads
+            preexec_fn=_child_setup(self.cpus),  # noqa: PLW1509 - the supervisor runs no threads
         )
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -107,10 +109,13 @@ class Child:
         return True
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the child gets SIGTERM if the supervisor (pid ``parent``) dies without
-    stopping it (even by SIGKILL). Built in the supervisor, run in the child between
-    fork and exec: see :func:`_child_setup`."""
+def _prepare_child(parent: int, cpus: list[int] | None) -> None:
+    """Run in the child between fork and exec (built by :func:`_child_setup`): pinned
+    to ``cpus`` when given, before anything in it counts its CPUs; and, on Linux, sent
+    SIGTERM if the supervisor (pid ``parent``) dies without stopping it (even by
+    SIGKILL)."""
+    if cpus is not None:
+        cpus_mod.pin(cpus)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -123,9 +128,10 @@ def _die_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _child_setup() -> Callable[[], None]:
-    """The preexec hook for a child of this process: dies with it (pid taken now)."""
-    return functools.partial(_die_with_parent, os.getpid())
+def _child_setup(cpus: list[int] | None = None) -> Callable[[], None]:
+    """The preexec hook for a child of this process: dies with it (pid taken now),
+    pinned to ``cpus`` when given."""
+    return functools.partial(_prepare_child, os.getpid(), cpus)
 
 
 def _terminate(children: list[Child], within_s: float) -> None:
@@ -248,7 +254,7 @@ class Supervisor:
             count = (
                 self.settings.cpu_workers if self.workers_spec == "auto" else int(self.workers_spec)
             )
-            return [self._worker(env, f"cpu{i}", ["--gpu", "none"], "cpu") for i in range(count)]
+            return self._cpu_workers(env, count)
         count = len(gpus) if self.workers_spec == "auto" else int(self.workers_spec)
         # More workers than GPUs: they share cards, ceil(count / GPUs) per card. Each
         # worker still claims its slot through Redis (`--gpu <UUID>`), so `up` and any
@@ -263,10 +269,28 @@ class Supervisor:
             children.append(self._worker(env, label, argv, device))
         return children
 
-    def _worker(self, env: dict[str, str], label: str, gpu_args: list[str], device: str) -> Child:
+    def _cpu_workers(self, env: dict[str, str], count: int) -> list[Child]:
+        """``count`` CPU workers, each pinned to its share of this process' CPUs
+        (``cpu_pinning``; why: :mod:`dispatcher.contract.cpus`)."""
+        if not self.settings.cpu_pinning:
+            return [self._worker(env, f"cpu{i}", ["--gpu", "none"], "cpu") for i in range(count)]
+        children = []
+        for i, share in enumerate(cpus_mod.shares(cpus_mod.allowed(), count)):
+            device = f"cpu, CPUs {cpus_mod.describe(share)}"
+            children.append(self._worker(env, f"cpu{i}", ["--gpu", "none"], device, share))
+        return children
+
+    def _worker(
+        self,
+        env: dict[str, str],
+        label: str,
+        gpu_args: list[str],
+        device: str,
+        cpus: list[int] | None = None,
+    ) -> Child:
         name = f"{socket.gethostname().split('.')[0]}.{label}"
         argv = [sys.executable, "-m", "dispatcher.ops.cli", "worker", "--name", name, *gpu_args]
-        return Child(name, argv, env, label=device)
+        return Child(name, argv, env, label=device, cpus=cpus)
 
     def _start(self) -> str:
         self._claim_data_dir()

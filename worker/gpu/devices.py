@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
+from dispatcher.contract import cpus
+
 __all__ = [
     "CPU",
     "Device",
@@ -72,6 +74,8 @@ class Device:
             "memory_total_bytes": sample.get("memory_total_bytes", self.memory_total_bytes),
             "temperature_c": sample.get("temperature_c"),
             "power_w": sample.get("power_w"),
+            # A CPU worker's model threads follow its CPUs (`up` pins each to a share).
+            "cpus": cpus.describe(cpus.allowed()) if self.kind == "cpu" else None,
         }
 
 
