@@ -6,9 +6,9 @@ sizes it all read the affinity mask at start). Two workers that may each use eve
 core run twice the threads the host has, and OpenMP's threads wait for one another
 at every operator: a thread that lost its core to the other worker holds up its
 sibling, which spins meanwhile. Measured (``bench cpu_share``, 2 cores, one
-``/v1/embeddings`` call of 2,048 texts): two such workers ran at 0.53-0.62x of one
-in-process ``model.encode``, one worker at 0.90-0.97x, two workers on one core each
-at 0.97-1.03x.
+``/v1/embeddings`` call of 2,048 texts; ``docs/design.md`` §9): two such workers ran
+at 0.58x of one in-process ``model.encode``, two workers on one core each at 0.95x
+(one worker alone 0.89x).
 
 So ``up`` gives each CPU worker its own share of the CPUs it may itself use (a
 container's cpuset, ``taskset``), as it gives each GPU worker its own card: the
