@@ -178,7 +178,18 @@ def test_device_json_shape() -> None:
         "memory_total_bytes": 10,
         "temperature_c": None,
         "power_w": 70.5,
+        "cpus": None,  # a GPU's
     }
+
+
+def test_a_cpu_device_reports_the_cpus_its_worker_may_run_on() -> None:
+    body = CPU.to_json()
+    assert body["kind"] == "cpu" and body["index"] is None
+    got: set[int] = set()
+    for part in body["cpus"].split(","):
+        low, _, high = part.partition("-")
+        got.update(range(int(low), int(high or low) + 1))
+    assert got == os.sched_getaffinity(0)
 
 
 class _Watch:

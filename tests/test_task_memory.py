@@ -70,4 +70,4 @@ def test_bomb_fails_clearly_and_a_bloated_worker_is_recycled(tmp_path: Path) -> 
             assert worker["name"] == fresh["worker"]
     finally:
         assert up.stop() == 0, up.output()
-    assert re.search(r"restarted \S+ \(cpu\)", up.output()), up.output()
+    assert re.search(r"restarted \S+ \(cpu[ )]", up.output()), up.output()

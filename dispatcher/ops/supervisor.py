@@ -115,7 +115,10 @@ def _prepare_child(parent: int, cpus: list[int] | None) -> None:
     SIGTERM if the supervisor (pid ``parent``) dies without stopping it (even by
     SIGKILL)."""
     if cpus is not None:
-        cpus_mod.pin(cpus)
+        # Unpinned is slower under load, not wrong: a CPU gone since (hot-unplugged,
+        # a cpuset narrowed) must not stop a worker from starting.
+        with contextlib.suppress(OSError):
+            cpus_mod.pin(cpus)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -276,7 +279,7 @@ class Supervisor:
             return [self._worker(env, f"cpu{i}", ["--gpu", "none"], "cpu") for i in range(count)]
         children = []
         for i, share in enumerate(cpus_mod.shares(cpus_mod.allowed(), count)):
-            device = f"cpu, CPUs {cpus_mod.describe(share)}"
+            device = f"cpu {cpus_mod.describe(share)}"
             children.append(self._worker(env, f"cpu{i}", ["--gpu", "none"], device, share))
         return children
 
