@@ -28,6 +28,24 @@ REPO = Path(__file__).resolve().parents[1]
 TEST_TASKS = "gl_test_tasks"  # tests/support/gl_test_tasks.py, loaded by workers
 
 
+# SIGINT back to its default, then the command itself (same pid: exec).
+_RESET_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def foreground(argv: list[str]) -> list[str]:
+    """``argv`` as a command a test interrupts as a person would with Ctrl-C: with
+    SIGINT at its default, as in a terminal's foreground job. A shell ignores SIGINT
+    in what it starts in the background (``make test &``, a detached CI job), a child
+    inherits that, and Python then never turns SIGINT into KeyboardInterrupt: the
+    command would run on and exit 0. Through an exec, not a ``preexec_fn``: the tests
+    that need it run threads (the API, a pty reader), and forking those to run Python
+    in the child can deadlock."""
+    return [sys.executable, "-c", _RESET_SIGINT, *argv]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import httpx
 from conftest import WorkerFactory, submit, wait_status
 from support.observe import json_lines
 
-from testkit import REPO, ApiServer, free_port, wait_for
+from testkit import REPO, ApiServer, foreground, free_port, wait_for
 
 GPULANE = str(Path(sys.executable).parent / "gpulane")  # the installed console script
 
@@ -51,8 +51,9 @@ class Terminal:
     def __init__(self, argv: list[str]) -> None:
         master, slave = pty.openpty()
         env = {**_env(), "TERM": "xterm", "LINES": "60"}
+        # foreground: Ctrl-C (interrupt) reaches it from any test run.
         self.process = subprocess.Popen(
-            argv, env=env, cwd=REPO, stdin=slave, stdout=slave, stderr=slave
+            foreground(argv), env=env, cwd=REPO, stdin=slave, stdout=slave, stderr=slave
         )
         os.close(slave)
         self._master = master

@@ -14,7 +14,7 @@ import pytest
 from conftest import WorkerFactory, wait_status
 
 from dispatcher.contract.exits import EXIT_INTERRUPTED, EXIT_USAGE
-from testkit import CLI, REPO, ApiServer, free_port, run_cli, wait_for
+from testkit import CLI, REPO, ApiServer, foreground, free_port, run_cli, wait_for
 
 
 def _env() -> dict[str, str]:
@@ -60,7 +60,7 @@ def test_ctrl_c_while_waiting_leaves_the_task_running(
     with out.open("wb") as stdout, err.open("wb") as stderr:
         args = ["--type", "sleep", "--args", '{"seconds": 3}', "--wait", "--url", api.url]
         process = subprocess.Popen(
-            [*CLI, "submit", *args],
+            foreground([*CLI, "submit", *args]),  # Ctrl-C reaches it from any test run
             env=_env(),
             cwd=REPO,
             stdout=stdout,
