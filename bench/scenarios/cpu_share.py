@@ -32,6 +32,7 @@ from bench import embed_load
 from bench.harness import Stack, bench_device, classes_json
 from bench.report import Report, Table, axes, figure, grouped_bars, info, judged, save
 from bench.scenarios.embed_api import API, MODEL
+from dispatcher.contract.workers import NOT_SERVING
 from testkit import CLI, free_port, wait_for
 
 __all__ = ["SIZES", "run"]
@@ -99,7 +100,7 @@ def _up(stack: Stack, system: System, round_no: int) -> Iterator[tuple[str, list
             workers: list[dict[str, Any]] = httpx.get(f"{url}/workers").json()["workers"]
         except (httpx.HTTPError, ValueError, KeyError):
             return None  # the API not up yet
-        ready = [w for w in workers if w["state"] in ("idle", "busy")]
+        ready = [w for w in workers if w["state"] not in NOT_SERVING]
         return workers if len(ready) == system.workers == len(workers) else None
 
     try:
