@@ -137,6 +137,11 @@ def _child_setup(cpus: list[int] | None = None) -> Callable[[], None]:
     return functools.partial(_prepare_child, os.getpid(), cpus)
 
 
+def _cpu_label(share: list[int] | None) -> str:
+    """A CPU worker's device in the status lines: ``cpu 0-3``, or ``cpu`` unpinned."""
+    return f"cpu {cpus_mod.describe(share)}" if share else "cpu"
+
+
 def _terminate(children: list[Child], within_s: float) -> None:
     """SIGTERM the running ones, wait up to ``within_s``, then SIGKILL stragglers."""
     running = [c.process for c in children if c.process and c.process.poll() is None]
@@ -275,13 +280,12 @@ class Supervisor:
     def _cpu_workers(self, env: dict[str, str], count: int) -> list[Child]:
         """``count`` CPU workers, each pinned to its share of this process' CPUs
         (``cpu_pinning``; why: :mod:`dispatcher.contract.cpus`)."""
-        if not self.settings.cpu_pinning:
-            return [self._worker(env, f"cpu{i}", ["--gpu", "none"], "cpu") for i in range(count)]
-        children = []
-        for i, share in enumerate(cpus_mod.shares(cpus_mod.allowed(), count)):
-            device = f"cpu {cpus_mod.describe(share)}"
-            children.append(self._worker(env, f"cpu{i}", ["--gpu", "none"], device, share))
-        return children
+        pinned = self.settings.cpu_pinning
+        shares = cpus_mod.shares(cpus_mod.allowed(), count) if pinned else [None] * count
+        return [
+            self._worker(env, f"cpu{i}", ["--gpu", "none"], _cpu_label(share), share)
+            for i, share in enumerate(shares)
+        ]
 
     def _worker(
         self,

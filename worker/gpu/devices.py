@@ -56,6 +56,9 @@ class Device:
     uuid: str | None
     name: str
     memory_total_bytes: int | None = None
+    # The CPU's: the CPUs this process may run on (`up` pins each CPU worker to a
+    # share before exec, so it is fixed from the start), in `taskset -c` form.
+    cpus: str | None = None
 
     @property
     def label(self) -> str:
@@ -74,12 +77,17 @@ class Device:
             "memory_total_bytes": sample.get("memory_total_bytes", self.memory_total_bytes),
             "temperature_c": sample.get("temperature_c"),
             "power_w": sample.get("power_w"),
-            # A CPU worker's model threads follow its CPUs (`up` pins each to a share).
-            "cpus": cpus.describe(cpus.allowed()) if self.kind == "cpu" else None,
+            "cpus": self.cpus,
         }
 
 
-CPU = Device(kind="cpu", index=None, uuid=None, name=platform.processor() or "cpu")
+CPU = Device(
+    kind="cpu",
+    index=None,
+    uuid=None,
+    name=platform.processor() or "cpu",
+    cpus=cpus.describe(cpus.allowed()),
+)
 
 
 @dataclass
