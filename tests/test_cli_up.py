@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from redis import Redis
+from support.cpus import cpu_set
 from support.pdf import make_pdf
 from support.up import Up, up_env
 
@@ -25,15 +26,6 @@ from testkit import REPO, RedisServer, free_port, run_cli, wait_for
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[dict[str, str]]:
     yield up_env(tmp_path)
-
-
-def _cpu_list(text: str) -> set[int]:
-    """``0-1,3`` -> {0, 1, 3}, parsed here rather than by the code under test."""
-    out: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        out.update(range(int(low), int(high or low) + 1))
-    return out
 
 
 def _redis_servers(data_dir: Path) -> list[str]:
@@ -55,7 +47,7 @@ def test_up_serves_tasks_and_two_instances_do_not_collide(
             workers = http.get("/workers").json()["workers"]
             assert len(workers) == 2 and all(w["device"]["kind"] == "cpu" for w in workers)
             # Each CPU worker runs on its own share of the CPUs, all of them used.
-            held = [_cpu_list(w["device"]["cpus"]) for w in workers]
+            held = [cpu_set(w["device"]["cpus"]) for w in workers]
             assert set.union(*held) == set(cpus.allowed()), held
             if len(cpus.allowed()) >= 2:
                 assert not held[0] & held[1], held
@@ -71,7 +63,7 @@ def test_up_serves_tasks_and_two_instances_do_not_collide(
             assert http.get(f"/tasks/{doc['id']}").json()["result"]["pages"] == 2
         with httpx.Client(base_url=url2, timeout=10) as http:
             (alone,) = http.get("/workers").json()["workers"]
-            assert _cpu_list(alone["device"]["cpus"]) == set(cpus.allowed())  # all of them
+            assert cpu_set(alone["device"]["cpus"]) == set(cpus.allowed())  # all of them
             assert http.get(f"/tasks/{task['id']}").status_code == 404  # separate Redis
     finally:
         codes = (first.stop(), second.stop())

@@ -13,6 +13,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from support.cpus import cpu_set
 
 from testkit import FAKE_NVML, wait_for
 from worker.gpu import devices
@@ -185,11 +186,7 @@ def test_device_json_shape() -> None:
 def test_a_cpu_device_reports_the_cpus_its_worker_may_run_on() -> None:
     body = CPU.to_json()
     assert body["kind"] == "cpu" and body["index"] is None
-    got: set[int] = set()
-    for part in body["cpus"].split(","):
-        low, _, high = part.partition("-")
-        got.update(range(int(low), int(high or low) + 1))
-    assert got == os.sched_getaffinity(0)
+    assert cpu_set(body["cpus"]) == os.sched_getaffinity(0)
 
 
 class _Watch:
