@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from bench import embed_load
+from bench.embed_load import Row
 from bench.harness import Stack, bench_device, classes_json
 from bench.report import Report, Table, axes, figure, grouped_bars, info, judged, save
 from bench.scenarios.embed_api import API, MODEL
@@ -110,14 +111,31 @@ def _up(stack: Stack, system: System, round_no: int) -> Iterator[tuple[str, list
         proc.stop(60)  # its workers finish, deregister and exit first
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One row of one round, and the in-process rate it is held to (the mean of the
+    rates measured just before and just after its system)."""
+
+    row: Row
+    limit: float
+
+    @property
+    def ratio(self) -> float:
+        return self.row.inputs_per_s / self.limit
+
+    @property
+    def p50_ms(self) -> float:
+        return float(self.row.summary()["p50_ms"])
+
+
+Runs = dict[str, dict[str, list[Measured]]]  # system -> row key -> one a round
+
+
 def measure(size: Size) -> dict[str, Any]:
     load = embed_load.SIZES[size.load]
     texts = embed_load.corpus(max(load.one_call, load.encode_texts, 512), "short")
     order = [s for r in range(size.rounds) for s in (SYSTEMS if r % 2 == 0 else SYSTEMS[::-1])]
-    Series = dict[str, dict[str, list[float]]]  # system -> row -> one value a round
-    ratios: Series = {s.name: {k: [] for k in size.rows + "l"} for s in SYSTEMS}
-    rates: Series = {s.name: {k: [] for k in size.rows + "l"} for s in SYSTEMS}
-    p50s: Series = {s.name: {k: [] for k in size.rows + "l"} for s in SYSTEMS}
+    runs: Runs = {s.name: {k: [] for k in size.rows + "l"} for s in SYSTEMS}
     cpus: dict[str, list[str]] = {}
     limits = [embed_load.in_process(texts[: load.encode_texts])]
     with Stack() as stack:
@@ -127,35 +145,38 @@ def measure(size: Size) -> dict[str, Any]:
                 rows["l"] = asyncio.run(_lone(base_url, texts))
                 cpus[system.name] = held
             limits.append(embed_load.in_process(texts[: load.encode_texts]))
-            limit = (limits[-2] + limits[-1]) / 2
             for key, row in rows.items():
-                rates[system.name][key].append(row.inputs_per_s)
-                ratios[system.name][key].append(row.inputs_per_s / limit)
-                p50s[system.name][key].append(row.summary()["p50_ms"])
-    return {
-        "ratios": ratios,
-        "rates": rates,
-        "p50s": p50s,
-        "cpus": cpus,
-        "limits": limits,
-        "order": order,
-    }
+                runs[system.name][key].append(Measured(row, (limits[-2] + limits[-1]) / 2))
+    return {"runs": runs, "cpus": cpus, "limits": limits, "order": order}
 
 
-def _mean(values: list[float]) -> float:
-    return statistics.fmean(values) if values else float("nan")
+def _mean(measured: list[Measured], of: Callable[[Measured], float]) -> float:
+    return statistics.fmean(of(m) for m in measured) if measured else float("nan")
+
+
+def _ratio(m: Measured) -> float:
+    return m.ratio
+
+
+def _p50(m: Measured) -> float:
+    return m.p50_ms
+
+
+def _rate(m: Measured) -> float:
+    return m.row.inputs_per_s
 
 
 def run(size: str, outdir: Path) -> Report:
     chosen = SIZES[size]
     data = measure(chosen)
-    ratios, rates, p50s = data["ratios"], data["rates"], data["p50s"]
+    runs: Runs = data["runs"]
     report = Report("cpu_share", size)
     pinned, unpinned, one = (s.name for s in SYSTEMS)
     for key in chosen.rows:
-        what, mine = ROWS[key], _mean(ratios[pinned][key])
+        what, mine = ROWS[key], _mean(runs[pinned][key], _ratio)
         others = (
-            f"unpinned {_mean(ratios[unpinned][key]):.2f}x, 1 worker {_mean(ratios[one][key]):.2f}x"
+            f"unpinned {_mean(runs[unpinned][key], _ratio):.2f}x, "
+            f"1 worker {_mean(runs[one][key], _ratio):.2f}x"
         )
         name = f"`up`, 2 CPU workers pinned, {what}, vs in-process encode"
         # One call of 2,048 keeps both workers busy: the pool's throughput, judged.
@@ -164,7 +185,7 @@ def run(size: str, outdir: Path) -> Report:
             if key == "a"
             else info(name, others, f"{mine:.2f}x")
         )
-    lone = {n: _mean(p50s[n]["l"]) for n in (pinned, unpinned, one)}
+    lone = {n: _mean(runs[n]["l"], _p50) for n in (pinned, unpinned, one)}
     report.targets.append(
         info(
             f"p50 of a lone request of {LONE[0]} inputs (one worker's batch), pinned",
@@ -173,12 +194,11 @@ def run(size: str, outdir: Path) -> Report:
         )
     )
     body = []
-    for system in SYSTEMS:
-        for key in chosen.rows + "l":
-            each = ", ".join(f"{r:.2f}x" for r in ratios[system.name][key])
-            inputs, p50 = _mean(rates[system.name][key]), _mean(p50s[system.name][key])
-            ratio = _mean(ratios[system.name][key])
-            body.append([system.name, ROWS[key], inputs, ratio, each, p50])
+    for name, by_row in runs.items():
+        for key, measured in by_row.items():
+            each = ", ".join(f"{m.ratio:.2f}x" for m in measured)
+            ratio, p50 = _mean(measured, _ratio), _mean(measured, _p50)
+            body.append([name, ROWS[key], _mean(measured, _rate), ratio, each, p50])
     columns = ["system", "row", "inputs/s", "vs in-process", "each round", "p50 ms"]
     report.tables.append(Table("`gpulane up` on the CPU, /v1/embeddings (means)", columns, body))
     held = "; ".join(f"{name}: {', '.join(c)}" for name, c in data["cpus"].items())
@@ -190,15 +210,15 @@ def run(size: str, outdir: Path) -> Report:
         "Order: " + ", then ".join(s.name for s in data["order"]) + ".",
         f"Device: {bench_device()}; each system is a whole `gpulane up`, one at a time.",
     ]
-    report.charts.append(_chart(ratios, chosen.rows, outdir))
+    report.charts.append(_chart(runs, chosen.rows, outdir))
     report.write(outdir)
     return report
 
 
-def _chart(ratios: dict[str, dict[str, list[float]]], rows: str, outdir: Path) -> str:
+def _chart(runs: Runs, rows: str, outdir: Path) -> str:
     """Each system's mean ratio to in-process encode, per row; 1.0 as a line."""
     fig, ax = figure(7.0, 3.4)
-    bars = {name: [_mean(by_row[k]) for k in rows] for name, by_row in ratios.items()}
+    bars = {name: [_mean(by_row[k], _ratio) for k in rows] for name, by_row in runs.items()}
     grouped_bars(ax, bars, [ROWS[k] for k in rows])
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="in-process")
     axes(ax, "`gpulane up` on the CPU: /v1/embeddings", y="x in-process encode", legend=8)
