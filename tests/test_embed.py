@@ -115,6 +115,29 @@ def test_token_counts_and_vectors_come_from_the_one_pass() -> None:
 
 
 @MODELS
+def test_a_batch_of_mixed_lengths_runs_as_passes_of_like_lengths() -> None:
+    """Texts of 4 to ~200 tokens in one batch: split into several passes (each trimmed
+    to its longest), yet every vector is ``model.encode``'s and in the batch's order,
+    every count the tokenizer's. The pass cost measured at load is within its bounds."""
+    import numpy as np
+
+    from worker import padding
+    from worker.tasks import embed
+
+    embed.load_model("cpu")
+    model = embed._loaded["model"]
+    assert padding.MIN_PASS_TOKENS <= embed._loaded["pass_tokens"] <= padding.MAX_PASS_TOKENS
+    texts = [" ".join(["river"] * n) for n in (2, 190, 40, 3, 120, 2, 60, 185, 9, 100)]
+    counts = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
+    embed._loaded["pass_tokens"] = padding.MIN_PASS_TOKENS
+    assert len(padding.by_length(counts, padding.MIN_PASS_TOKENS)) > 2  # the premise
+    vectors, tokens = embed._encode(texts)
+    assert tokens == counts
+    expected = model.encode(texts, normalize_embeddings=True, show_progress_bar=False)
+    assert np.allclose(vectors, expected, atol=1e-6)
+
+
+@MODELS
 def test_base64_vectors_are_the_float_vectors_packed() -> None:
     """A requester that takes vectors packed (``ctx.encoding_format``, what
     /v1/embeddings asks for) gets the very floats of ``"float"``, packed as OpenAI

@@ -12,7 +12,10 @@ module logs why and registers nothing, so a worker still serves its other types.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from collections.abc import Callable
 from importlib.util import find_spec
 from typing import Any
 
@@ -20,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dispatcher.contract import vectors
 from dispatcher.contract.jobs import ErrorCode
+from worker import padding
 from worker.registry import Batch, TaskContext, TaskFailure, task
 
 __all__ = ["MAX_CHARS", "MODEL_ID", "EmbedArgs", "embed", "load_model"]
@@ -29,7 +33,9 @@ log = logging.getLogger("gpulane.worker")
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MAX_CHARS = 8192
 
-_loaded: dict[str, Any] = {}  # "model": the SentenceTransformer, once loaded
+# "model": the SentenceTransformer, once loaded; "pass_tokens": a forward pass's fixed
+# cost in tokens on its device (``worker.padding``; inf: never split a batch)
+_loaded: dict[str, Any] = {}
 
 
 class EmbedArgs(BaseModel):
@@ -49,6 +55,32 @@ def load_model(device: str) -> None:
     model = SentenceTransformer(path, device=device, local_files_only=True)
     model.eval()
     _loaded["model"] = model
+    # Trimming a part's padding keeps its first columns: right padding only.
+    right = getattr(model.tokenizer, "padding_side", "right") == "right"
+    _loaded["pass_tokens"] = padding.measure_pass_tokens(_timer(model)) if right else math.inf
+    log.info(
+        "embed on %s: a forward pass costs as much as %.0f tokens; a batch of mixed "
+        "lengths is split into passes of like lengths where its padding costs more",
+        device,
+        _loaded["pass_tokens"],
+    )
+
+
+def _timer(model: Any) -> Callable[[int, int], float]:
+    """One timed forward pass over ``rows`` texts of ``length`` tokens ("the" is one
+    token; with [CLS] and [SEP], ``length``), for :func:`padding.measure_pass_tokens`."""
+    import torch
+    from sentence_transformers.util import batch_to_device
+
+    def run(rows: int, length: int) -> float:
+        text = " ".join(["the"] * max(length - 2, 1))
+        features = batch_to_device(model.preprocess([text] * rows), model.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model(features)["sentence_embedding"].cpu()  # waits for a GPU's work
+        return time.perf_counter() - started
+
+    return run
 
 
 def _encode(texts: list[str]) -> tuple[Any, list[int]]:
@@ -56,23 +88,31 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
     tokenizer's whole output, special tokens included; the model reads the first
     ``max_seq_length``, 256, of them).
 
-    One forward pass over the batch as it came, through the model's own modules
-    rather than ``model.encode``: ``encode`` with ``output_value=None`` (the only way
-    it gives the attention masks) splits every output, token embeddings included,
-    into a dict per text, which had to be stacked and padded again. One
-    tokenization: the counts come from the attention masks of the pass, not from a
-    second tokenizer call, which cost 1.4-3 ms per 64 short texts and ~13 ms per 64
-    long ones on 2 CPU cores: on a GPU as much as the forward itself. Only a text
-    that filled the window is counted again, whole."""
+    One tokenization of the batch as it came, then forward passes through the model's
+    own modules rather than ``model.encode``: ``encode`` with ``output_value=None``
+    (the only way it gives the attention masks) splits every output, token embeddings
+    included, into a dict per text, which had to be stacked and padded again. One pass
+    unless the batch's lengths differ enough that its padding costs more than another
+    pass (:mod:`worker.padding`): then passes of like lengths, each trimmed to its
+    longest. The counts come from the attention masks, not from a second tokenizer
+    call (1.4-3 ms per 64 short texts, ~13 ms per 64 long ones on 2 CPU cores: on a
+    GPU as much as the forward itself). Only a text that filled the window is counted
+    again, whole."""
     import torch
-    from sentence_transformers.util import batch_to_device
 
     model = _loaded["model"]
+    features = model.preprocess(texts)
+    tokens = [int(n) for n in features["attention_mask"].sum(dim=1).tolist()]
+    parts = padding.by_length(tokens, _loaded["pass_tokens"])
     with torch.inference_mode():
-        out = model(batch_to_device(model.preprocess(texts), model.device))
-        embeddings = torch.nn.functional.normalize(out["sentence_embedding"], p=2, dim=1)
+        if len(parts) == 1:
+            embeddings = _forward(model, features)
+        else:
+            found = [_forward(model, _rows(features, part, tokens)) for part in parts]
+            inverse = torch.empty(len(texts), dtype=torch.long)
+            inverse[torch.tensor([i for part in parts for i in part])] = torch.arange(len(texts))
+            embeddings = torch.cat(found)[inverse.to(found[0].device)]
         normalised = embeddings.float().cpu().numpy()
-        tokens = [int(n) for n in out["attention_mask"].sum(dim=1).tolist()]
     window = model.max_seq_length
     full = [i for i, n in enumerate(tokens) if n >= window]
     if full:  # truncated to the window: the usage counts what was sent
@@ -80,6 +120,33 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
         for i, ids in zip(full, counts, strict=True):
             tokens[i] = len(ids)
     return normalised, tokens
+
+
+def _forward(model: Any, features: dict[str, Any]) -> Any:
+    """One pass: the texts' normalised embeddings, on the model's device."""
+    import torch
+    from sentence_transformers.util import batch_to_device
+
+    out = model(batch_to_device(features, model.device))
+    return torch.nn.functional.normalize(out["sentence_embedding"], p=2, dim=1)
+
+
+def _rows(features: dict[str, Any], rows: list[int], tokens: list[int]) -> dict[str, Any]:
+    """The tokenized batch's ``rows``, their padding trimmed to the longest of them
+    (padding is on the right, :func:`load_model` checks); what is not a per-text
+    tensor (the modality) is kept as it is."""
+    import torch
+
+    index, width = torch.tensor(rows), max(tokens[i] for i in rows)
+    padded = features["attention_mask"].shape[1]
+
+    def take(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or len(value) != len(tokens):
+            return value
+        value = value[index]
+        return value[:, :width] if value.dim() > 1 and value.shape[1] == padded else value
+
+    return {name: take(value) for name, value in features.items()}
 
 
 def embed(batch: list[EmbedArgs], ctxs: list[TaskContext]) -> list[Any]:
