@@ -8,6 +8,9 @@ make, in one run of at most 8 minutes, written to ``bench/results/gpu.md``.
 3. A SIGKILL during CUDA work: one ``/v1/embeddings`` call of 2,048 inputs, the worker
    killed while a chunk runs on the card, a second worker started: the call still
    answers 200 with every vector, and the killed chunk ran twice.
+4. ``embed``'s passes of like lengths on the card (``worker.padding``): the pass cost
+   it measures there, and 64 texts of mixed lengths forced into many passes give
+   ``model.encode``'s vectors in the batch's order.
 
 Prerequisites on the GPU machine: the project's dependencies, the ``models`` extra
 (torch with CUDA, sentence-transformers, the MiniLM weights) and ``redis-server`` on
@@ -105,6 +108,31 @@ def kill_during_cuda() -> dict[str, Any]:
         }
 
 
+def passes_of_like_lengths(device: str) -> dict[str, Any]:
+    """In this process, last (the model stays on the card until it exits)."""
+    import numpy as np
+
+    from bench.embed_load import corpus
+    from worker import padding
+    from worker.tasks import embed
+
+    embed.load_model(device)
+    measured = embed._loaded["pass_tokens"]
+    model, texts = embed._loaded["model"], corpus(64, "mixed")
+    embed._loaded["pass_tokens"] = padding.MIN_PASS_TOKENS
+    vectors, tokens = embed._encode(texts)
+    expected = model.encode(texts, normalize_embeddings=True, show_progress_bar=False)
+    diff = float(np.abs(vectors - expected).max())
+    return {
+        "device": device,
+        "measured_pass_tokens": round(measured),
+        "passes_forced": len(padding.by_length(tokens, padding.MIN_PASS_TOKENS)),
+        "passes_at_measured_cost": len(padding.by_length(tokens, measured)),
+        "max_abs_diff_vs_encode": diff,
+        "ok": diff < 1e-4,
+    }
+
+
 def _started_chunk(client: Any) -> str | None:
     for key in client.scan_iter("rq:job:*"):
         if client.hget(key, "status") == b"started":
@@ -126,6 +154,8 @@ def main() -> int:
     parts += ["## SIGKILL during CUDA work", "", "```", json.dumps(kill_during_cuda()), "```"]
     for scenario in ("embed", "embed_api"):
         parts += ["", f"## bench {scenario} on `--gpu {gpu}`", "", bench(scenario, gpu, out)]
+    split = passes_of_like_lengths("cuda" if devices else "cpu")
+    parts += ["", "## Passes of like lengths", "", "```", json.dumps(split), "```"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.md").write_text("\n".join(parts) + "\n")
     print(f"gpu-check: wrote {out / 'gpu.md'}")

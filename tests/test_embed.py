@@ -115,7 +115,9 @@ def test_token_counts_and_vectors_come_from_the_one_pass() -> None:
 
 
 @MODELS
-def test_a_batch_of_mixed_lengths_runs_as_passes_of_like_lengths() -> None:
+def test_a_batch_of_mixed_lengths_runs_as_passes_of_like_lengths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Texts of 4 to ~200 tokens in one batch: split into several passes (each trimmed
     to its longest), yet every vector is ``model.encode``'s and in the batch's order,
     every count the tokenizer's. The pass cost measured at load is within its bounds."""
@@ -129,7 +131,7 @@ def test_a_batch_of_mixed_lengths_runs_as_passes_of_like_lengths() -> None:
     assert padding.MIN_PASS_TOKENS <= embed._loaded["pass_tokens"] <= padding.MAX_PASS_TOKENS
     texts = [" ".join(["river"] * n) for n in (2, 190, 40, 3, 120, 2, 60, 185, 9, 100)]
     counts = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
-    embed._loaded["pass_tokens"] = padding.MIN_PASS_TOKENS
+    monkeypatch.setitem(embed._loaded, "pass_tokens", padding.MIN_PASS_TOKENS)
     assert len(padding.by_length(counts, padding.MIN_PASS_TOKENS)) > 2  # the premise
     vectors, tokens = embed._encode(texts)
     assert tokens == counts

@@ -3,7 +3,7 @@
 A text model pads a batch to its longest input, so a batch of single inputs of mixed
 lengths (32 clients sending one chunk each, 10-200 tokens) spends most of its forward
 pass on padding: on 2 CPU cores a batch of 32 such texts ran at 25-26 texts/s as one
-pass, 45-49/s as four passes of like lengths. ``/v1/embeddings`` already packs one
+pass, 48-49/s as passes of like lengths (this module's cut). ``/v1/embeddings`` already packs one
 request's inputs longest first (``dispatcher/api/routes/openai.py``); this is the same
 idea for a batch that the worker put together from many requests.
 
@@ -28,17 +28,20 @@ MAX_PASS_TOKENS = 65_536.0
 # The cost model is a model (a small pass does less per token than it says): a split
 # must save this share of one pass's modelled cost, or the batch runs as one pass.
 MIN_SAVING = 0.1
+# The calibration's largest batch: 256 texts of 64 tokens, a served batch's tokens at
+# most (64 texts of 256), so it reserves no device memory a real batch would not.
+MAX_ROWS = 256
 
 
 def by_length(lengths: Sequence[int], pass_tokens: float) -> list[list[int]]:
     """The batch's indices grouped into forward passes, cheapest in the cost model.
 
-    One pass, in the batch's own order, unless splitting saves :data:`MIN_SAVING` of
-    its cost; like lengths (the common case) are decided in one sum, since no split can
-    save more than the padding less a pass. Otherwise the indices longest first (ties
-    in batch order), cut into contiguous parts by dynamic programming over the
-    distinct lengths: O(D^2) for D distinct lengths, which the model's window bounds
-    (256 for all-MiniLM-L6-v2)."""
+    One pass, in the batch's own order, unless splitting saves more than
+    :data:`MIN_SAVING` of its cost; like lengths (the common case) are decided in one
+    sum, since no split can save more than the padding less a pass. Otherwise the
+    indices longest first (ties in batch order), cut into contiguous parts by dynamic
+    programming over the distinct lengths: O(D^2) for D distinct lengths, at most the
+    batch's size (64 for ``embed``) and the model's window (256)."""
     n = len(lengths)
     one = [list(range(n))]
     if n < 2:
@@ -56,7 +59,7 @@ def by_length(lengths: Sequence[int], pass_tokens: float) -> list[list[int]]:
             widths.append(lengths[i])
             ends.append(position)
     cost, cuts = _cheapest_cuts(widths, ends, pass_tokens)
-    if cost > (1 - MIN_SAVING) * one_cost:
+    if cost >= (1 - MIN_SAVING) * one_cost:  # saves no more than the early exit allows
         return one
     return [order[start:end] for start, end in zip([0, *cuts[:-1]], cuts, strict=True)]
 
@@ -92,13 +95,15 @@ def measure_pass_tokens(run: Callable[[int, int], float], repeats: int = 3) -> f
     work included, the inputs' making not). The lone short text's time is the fixed
     cost; the per-token cost comes from batches of 64-token texts doubled until one
     takes four times the lone text's (where the tokens, not the fixed cost, dominate:
-    8 rows on a CPU, hundreds on a GPU). Each
-    timing is the least of ``repeats``, after one pass to warm the device up."""
-    run(1, 8)
+    8 rows on a CPU, hundreds on a GPU; :data:`MAX_ROWS` at most). Each timing is the
+    least of ``repeats``, after a few passes that warm the device up (a GPU's clocks
+    rise under load: a cold lone text would count as a dear pass)."""
+    for _ in range(repeats):
+        run(8, 64)
     lone = _least(run, 1, 8, repeats)
     rows, length = 8, 64
     full = _least(run, rows, length, repeats)
-    while full < 4 * lone and rows < 1024:
+    while full < 4 * lone and rows < MAX_ROWS:
         rows *= 2
         full = _least(run, rows, length, repeats)
     per_token = max(full - lone, 1e-9) / (rows * length - 8)

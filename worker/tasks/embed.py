@@ -58,12 +58,21 @@ def load_model(device: str) -> None:
     # Trimming a part's padding keeps its first columns: right padding only.
     right = getattr(model.tokenizer, "padding_side", "right") == "right"
     _loaded["pass_tokens"] = padding.measure_pass_tokens(_timer(model)) if right else math.inf
-    log.info(
-        "embed on %s: a forward pass costs as much as %.0f tokens; a batch of mixed "
-        "lengths is split into passes of like lengths where its padding costs more",
-        device,
-        _loaded["pass_tokens"],
-    )
+    if device.startswith("cuda"):
+        import torch
+
+        # The calibration's batches are no bigger than a served one, but the worker
+        # counts what the card holds after loading as the model's: give it back.
+        torch.cuda.empty_cache()
+    if right:
+        log.info(
+            "embed on %s: a forward pass costs as much as %.0f tokens; a batch of mixed "
+            "lengths runs as passes of like lengths where its padding costs more",
+            device,
+            _loaded["pass_tokens"],
+        )
+    else:
+        log.info("embed on %s: the tokenizer pads on the left; a batch is one pass", device)
 
 
 def _timer(model: Any) -> Callable[[int, int], float]:
@@ -99,19 +108,24 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
     GPU as much as the forward itself). Only a text that filled the window is counted
     again, whole."""
     import torch
+    from sentence_transformers.util import batch_to_device
 
     model = _loaded["model"]
     features = model.preprocess(texts)
     tokens = [int(n) for n in features["attention_mask"].sum(dim=1).tolist()]
     parts = padding.by_length(tokens, _loaded["pass_tokens"])
+    # Onto the device once: each part is cut from it there (one copy; on a GPU a copy
+    # per part would wait for the pass before it).
+    features = batch_to_device(features, model.device)
     with torch.inference_mode():
         if len(parts) == 1:
             embeddings = _forward(model, features)
         else:
             found = [_forward(model, _rows(features, part, tokens)) for part in parts]
-            inverse = torch.empty(len(texts), dtype=torch.long)
-            inverse[torch.tensor([i for part in parts for i in part])] = torch.arange(len(texts))
-            embeddings = torch.cat(found)[inverse.to(found[0].device)]
+            order = torch.tensor([i for part in parts for i in part], device=model.device)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(len(texts), device=model.device)
+            embeddings = torch.cat(found)[inverse]
         normalised = embeddings.float().cpu().numpy()
     window = model.max_seq_length
     full = [i for i, n in enumerate(tokens) if n >= window]
@@ -123,11 +137,10 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
 
 
 def _forward(model: Any, features: dict[str, Any]) -> Any:
-    """One pass: the texts' normalised embeddings, on the model's device."""
+    """One pass over tokenized texts on the model's device: their normalised embeddings."""
     import torch
-    from sentence_transformers.util import batch_to_device
 
-    out = model(batch_to_device(features, model.device))
+    out = model(features)
     return torch.nn.functional.normalize(out["sentence_embedding"], p=2, dim=1)
 
 
@@ -137,7 +150,8 @@ def _rows(features: dict[str, Any], rows: list[int], tokens: list[int]) -> dict[
     tensor (the modality) is kept as it is."""
     import torch
 
-    index, width = torch.tensor(rows), max(tokens[i] for i in rows)
+    index = torch.tensor(rows, device=features["attention_mask"].device)
+    width = max(tokens[i] for i in rows)
     padded = features["attention_mask"].shape[1]
 
     def take(value: Any) -> Any:
