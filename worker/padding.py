@@ -9,9 +9,10 @@ idea for a batch that the worker put together from many requests.
 
 The cost of a pass is modelled as ``pass_tokens + rows * longest``: a fixed cost per
 pass (kernel launches, Python dispatch), in tokens' worth of work, plus the padded
-tokens. :func:`measure_pass_tokens` measures the fixed cost on the model's own device
-once at load (a CPU's is tens of tokens, a GPU's thousands), so a GPU splits only
-where a batch's padding is thousands of tokens, and a CPU wherever it saves work.
+tokens. :func:`measure_pass_tokens` measures the fixed cost on a GPU once at load (it
+should be thousands of tokens there), so a GPU splits only where a batch's padding is
+thousands of tokens; a CPU's is :data:`CPU_PASS_TOKENS`, and it splits wherever that
+saves work.
 Attention's cost grows with the square of the length, so the model undercounts what
 long padding costs: it errs towards one pass.
 """
@@ -31,6 +32,12 @@ MIN_SAVING = 0.1
 # The calibration's largest batch: 256 texts of 64 tokens, a served batch's tokens at
 # most (64 texts of 256), so it reserves no device memory a real batch would not.
 MAX_ROWS = 256
+# A CPU's pass cost, not measured at load: all-MiniLM-L6-v2 on 2 cores measured 39-63
+# tokens at five loads. On a CPU only batches of mixed lengths split, whose padding is
+# hundreds of tokens a row, so tens more or less change little; a GPU's is unknown by
+# orders of magnitude and is measured. The measurement also seemed to leave a CPU
+# worker 2-7 % slower on like lengths (noisy: design §9), which this avoids.
+CPU_PASS_TOKENS = 48.0
 
 
 def by_length(lengths: Sequence[int], pass_tokens: float) -> list[list[int]]:

@@ -57,10 +57,11 @@ def load_model(device: str) -> None:
     _loaded["model"] = model
     # Trimming a part's padding keeps its first columns: right padding only.
     right = getattr(model.tokenizer, "padding_side", "right") == "right"
-    _loaded["pass_tokens"] = padding.measure_pass_tokens(_timer(model)) if right else math.inf
-    if device.startswith("cuda"):
+    _loaded["pass_tokens"] = math.inf if not right else padding.CPU_PASS_TOKENS
+    if right and device.startswith("cuda"):
         import torch
 
+        _loaded["pass_tokens"] = padding.measure_pass_tokens(_timer(model))
         # The calibration's batches are no bigger than a served one, but the worker
         # counts what the card holds after loading as the model's: give it back.
         torch.cuda.empty_cache()
