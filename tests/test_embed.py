@@ -120,7 +120,7 @@ def test_a_batch_of_mixed_lengths_runs_as_passes_of_like_lengths(
 ) -> None:
     """Texts of 4 to ~200 tokens in one batch: split into several passes (each trimmed
     to its longest), yet every vector is ``model.encode``'s and in the batch's order,
-    every count the tokenizer's. The pass cost measured at load is within its bounds."""
+    every count the tokenizer's. On a CPU the pass cost is the constant, not measured."""
     import numpy as np
 
     from worker import padding
@@ -128,7 +128,7 @@ def test_a_batch_of_mixed_lengths_runs_as_passes_of_like_lengths(
 
     embed.load_model("cpu")
     model = embed._loaded["model"]
-    assert padding.MIN_PASS_TOKENS <= embed._loaded["pass_tokens"] <= padding.MAX_PASS_TOKENS
+    assert embed._loaded["pass_tokens"] == padding.CPU_PASS_TOKENS  # a CPU does not measure
     texts = [" ".join(["river"] * n) for n in (2, 190, 40, 3, 120, 2, 60, 185, 9, 100)]
     counts = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
     monkeypatch.setitem(embed._loaded, "pass_tokens", padding.MIN_PASS_TOKENS)

@@ -2,18 +2,17 @@
 
 A text model pads a batch to its longest input, so a batch of single inputs of mixed
 lengths (32 clients sending one chunk each, 10-200 tokens) spends most of its forward
-pass on padding: on 2 CPU cores a batch of 32 such texts ran at 25-26 texts/s as one
-pass, 48-49/s as passes of like lengths (this module's cut). ``/v1/embeddings`` already packs one
-request's inputs longest first (``dispatcher/api/routes/openai.py``); this is the same
-idea for a batch that the worker put together from many requests.
+pass on padding: on 2 CPU cores batches of 32 and 64 such texts ran at 23-27 texts/s as
+one pass, 48-50/s as passes of like lengths (this module's cut). ``/v1/embeddings``
+already packs one request's inputs longest first (``dispatcher/api/routes/openai.py``);
+this is the same idea for a batch that the worker put together from many requests.
 
 The cost of a pass is modelled as ``pass_tokens + rows * longest``: a fixed cost per
 pass (kernel launches, Python dispatch), in tokens' worth of work, plus the padded
 tokens. :func:`measure_pass_tokens` measures the fixed cost on a GPU once at load (it
 should be thousands of tokens there), so a GPU splits only where a batch's padding is
 thousands of tokens; a CPU's is :data:`CPU_PASS_TOKENS`, and it splits wherever that
-saves work.
-Attention's cost grows with the square of the length, so the model undercounts what
+saves work. Attention's cost grows with the square of the length, so the model undercounts what
 long padding costs: it errs towards one pass.
 """
 
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["by_length", "measure_pass_tokens"]
+__all__ = ["CPU_PASS_TOKENS", "by_length", "measure_pass_tokens"]
 
 # Bounds on a measured pass cost: a noisy timing changes how batches split, never more.
 MIN_PASS_TOKENS = 8.0

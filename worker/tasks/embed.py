@@ -56,24 +56,24 @@ def load_model(device: str) -> None:
     model.eval()
     _loaded["model"] = model
     # Trimming a part's padding keeps its first columns: right padding only.
-    right = getattr(model.tokenizer, "padding_side", "right") == "right"
-    _loaded["pass_tokens"] = math.inf if not right else padding.CPU_PASS_TOKENS
-    if right and device.startswith("cuda"):
+    if getattr(model.tokenizer, "padding_side", "right") != "right":
+        _loaded["pass_tokens"] = math.inf
+        log.info("embed on %s: the tokenizer pads on the left; a batch is one pass", device)
+        return
+    _loaded["pass_tokens"] = padding.CPU_PASS_TOKENS
+    if device.startswith("cuda"):
         import torch
 
         _loaded["pass_tokens"] = padding.measure_pass_tokens(_timer(model))
         # The calibration's batches are no bigger than a served one, but the worker
         # counts what the card holds after loading as the model's: give it back.
         torch.cuda.empty_cache()
-    if right:
-        log.info(
-            "embed on %s: a forward pass costs as much as %.0f tokens; a batch of mixed "
-            "lengths runs as passes of like lengths where its padding costs more",
-            device,
-            _loaded["pass_tokens"],
-        )
-    else:
-        log.info("embed on %s: the tokenizer pads on the left; a batch is one pass", device)
+    log.info(
+        "embed on %s: a forward pass costs as much as %.0f tokens; a batch of mixed "
+        "lengths runs as passes of like lengths where its padding costs more",
+        device,
+        _loaded["pass_tokens"],
+    )
 
 
 def _timer(model: Any) -> Callable[[int, int], float]:
@@ -122,11 +122,10 @@ def _encode(texts: list[str]) -> tuple[Any, list[int]]:
         if len(parts) == 1:
             embeddings = _forward(model, features)
         else:
-            found = [_forward(model, _rows(features, part, tokens)) for part in parts]
+            found = torch.cat([_forward(model, _rows(features, p, tokens)) for p in parts])
             order = torch.tensor([i for part in parts for i in part], device=model.device)
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(len(texts), device=model.device)
-            embeddings = torch.cat(found)[inverse]
+            embeddings = torch.empty_like(found)
+            embeddings[order] = found  # each vector back at its text's index
         normalised = embeddings.float().cpu().numpy()
     window = model.max_seq_length
     full = [i for i, n in enumerate(tokens) if n >= window]
