@@ -123,11 +123,16 @@ def _cycle(texts: list[str], start: int, n: int) -> list[str]:
 _JSON = {"content-type": "application/json"}
 
 
-async def _post(client: aiohttp.ClientSession, model: str, inputs: list[str]) -> float:
-    """One request; its latency in ms (the whole body read). A wrong status or count
-    raises."""
+async def _post(
+    client: aiohttp.ClientSession, model: str, inputs: list[str], fmt: str | None = None
+) -> float:
+    """One request (``fmt``: its ``encoding_format``, else the server's default, floats);
+    its latency in ms (the whole body read). A wrong status or count raises."""
     started = time.perf_counter()
-    body = orjson.dumps({"model": model, "input": inputs})
+    request: dict[str, Any] = {"model": model, "input": inputs}
+    if fmt is not None:
+        request["encoding_format"] = fmt
+    body = orjson.dumps(request)
     async with client.post("embeddings", data=body, headers=_JSON) as reply:
         raw = await reply.read()
     elapsed = (time.perf_counter() - started) * 1000
@@ -149,12 +154,15 @@ def _client(base_url: str, timeout_s: float, clients: int) -> aiohttp.ClientSess
     return aiohttp.ClientSession(base_url.rstrip("/") + "/", connector=connector, timeout=timeout)
 
 
-async def one_call(base_url: str, model: str, texts: list[str], n: int, max_s: float) -> Row:
-    """(a) One request of ``n`` inputs."""
+async def one_call(
+    base_url: str, model: str, texts: list[str], n: int, max_s: float, fmt: str | None = None
+) -> Row:
+    """(a) One request of ``n`` inputs (``fmt``: as in :func:`_post`)."""
     async with _client(base_url, max_s, 1) as client:
-        await _post(client, model, texts[:2])  # a connection open, the server warm
-        latency = await _post(client, model, _cycle(texts, 0, n))
-    return Row(f"one call of {n:,} inputs", 1, n, latency / 1000, [latency])
+        await _post(client, model, texts[:2], fmt)  # a connection open, the server warm
+        latency = await _post(client, model, _cycle(texts, 0, n), fmt)
+    label = f"one call of {n:,} inputs" + (f", {fmt}" if fmt else "")
+    return Row(label, 1, n, latency / 1000, [latency])
 
 
 async def closed_loop(

@@ -9,6 +9,8 @@ items): a small result, a 384-float vector as JSON numbers, or the same vector p
 as ``/v1/embeddings`` has ``embed`` return it (base64 of float32), per item: the
 dispatch cost of batched inference without a model. ``bench.batch_device`` adds 2 ms
 of device-like waiting per batch: the share of a worker's time its GPU would be busy.
+``bench.device_embed`` is that stand-in as an embedding model ``/v1/embeddings`` serves
+(``bench/device-stand-in``): the ``embed_ceiling`` scenario's card.
 
 ``bench.sleep`` holds the worker for ``seconds`` times this worker's slowdown, read
 once from ``BENCH_SLOWDOWN`` (default 1; the ``mixed`` scenario starts its slow workers
@@ -102,3 +104,26 @@ def long(args: SleepArgs, ctx: TaskContext) -> dict[str, Any]:
     estimates device time per type (the ``device`` scenario)."""
     time.sleep(args.seconds * SLOWDOWN)
     return {"slept_s": args.seconds * SLOWDOWN}
+
+
+class TextArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, max_length=8192, description="Ignored but for its length.")
+
+
+DEVICE_MODEL = "bench/device-stand-in"
+
+
+@task(
+    "bench.device_embed",
+    model=DEVICE_MODEL,
+    batch=Batch(max_size=64, max_wait_ms=5),
+    description="An embedding model at GPU speed with no GPU: bench.batch_device's wait.",
+)
+def device_embed(batch: list[TextArgs], ctxs: list[TaskContext]) -> list[Any]:
+    """``/v1/embeddings`` served at a card's speed: :data:`DEVICE_S` a batch of waiting
+    without the CPU, then a packed vector per text. What the dispatch path sustains
+    when the model's time has left the CPU."""
+    time.sleep(DEVICE_S)
+    return [{"embedding": PACKED, "tokens": len(a.text.split()) + 2} for a in batch]

@@ -21,4 +21,5 @@ SCENARIOS = (
     "device",
     "documents",
     "cpu_share",
+    "embed_ceiling",
 )

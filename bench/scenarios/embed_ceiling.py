@@ -1,0 +1,176 @@
+"""Scenario embed_ceiling: ``POST /v1/embeddings`` at a GPU's speed on a machine with
+none. What the dispatch path (client, API, Redis, worker) sustains once the model's
+time has left the CPU, and how busy it keeps the card.
+
+The model is ``bench.device_embed`` (:mod:`bench.gl_tasks`): batches of 64, each
+holding the worker :data:`~bench.gl_tasks.DEVICE_S` (2 ms) without the CPU, as a
+CUDA sync does, then a packed 384-float vector per text, as ``embed`` returns them.
+Its own rate is 64 texts per 2 ms, 32,000 texts/s: about all-MiniLM-L6-v2's forward
+pass on a data-centre GPU, tokenization left out (on a card that is CPU work too).
+
+gpulane is one ``gpulane api`` process and one worker, as in ``embed_api``; the load
+is ``embed_api``'s (:mod:`bench.embed_load`): (a) one call of 2,048 inputs, as floats
+(what the peers' rows ask for) and as base64 (what the ``openai`` SDK asks for when
+the caller names no format), :data:`CALLS` calls in a row; (b) 32 clients of 1
+input; (c) 8 clients of 256. Per row: inputs/s, the card's busy share (batches the
+worker ran x 2 ms / the row's wall time; the batches from ``gpulane_batch_size`` on
+``/metrics``) and each process's CPU per input, which says where a real card would
+wait. No peers: neither Infinity nor Ray Serve can be handed a model that takes no
+CPU. No verdicts: the issue's targets are against in-process ``model.encode`` on a real
+card (``make gpu-check``); this is where to look before one is at hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import embed_load
+from bench.embed_load import Row
+from bench.gl_tasks import DEVICE_MODEL, DEVICE_S
+from bench.harness import Proc, Stack
+from bench.report import Report, Table, axes, figure, grouped_bars, info, save
+from bench.scenarios.api import cpu_s
+
+BATCH = 64  # bench.device_embed's batch size
+DEVICE_RATE = BATCH / DEVICE_S  # texts/s the stand-in card runs at full batches
+API = {
+    "task_modules": json.dumps(["worker.tasks.builtin", "bench.gl_tasks"]),
+    "openai_timeout_s": "600",
+}
+CALLS = 5  # row (a): this many calls, one after the other
+_COUNT = re.compile(r'^gpulane_batch_size_(count|sum)\{type="bench\.device_embed"\} (\S+)$', re.M)
+
+
+@dataclass(frozen=True)
+class Size:
+    load: embed_load.Size
+    calls: int
+
+
+SIZES = {
+    "smoke": Size(embed_load.SIZES["smoke"], 1),
+    # (b) at ~1,000 req/s: 4,096 requests take a few seconds, not a fraction of one.
+    "quick": Size(embed_load.Size(2048, 4096, 64, 256, 0, 0.0, 120.0), CALLS),
+    "full": Size(embed_load.Size(2048, 16384, 256, 256, 0, 0.0, 300.0), CALLS),
+}
+PROCESSES = ("client", "api", "redis", "worker")
+
+
+@dataclass
+class Measured:
+    row: Row
+    batches: float  # the worker's batches during the row
+    cpu_s: dict[str, float]  # per process, during the row
+
+    @property
+    def busy(self) -> float:
+        """The stand-in card's busy share: its batches x DEVICE_S over the row's time."""
+        return self.batches * DEVICE_S / self.row.wall_s
+
+    def cpu_us(self, process: str) -> float:
+        return 1e6 * self.cpu_s[process] / self.row.inputs
+
+
+def _batches(url: str) -> tuple[float, float]:
+    """The worker's (batches, items) so far, from the API's ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = {kind: float(value) for kind, value in _COUNT.findall(text)}
+    return found.get("count", 0.0), found.get("sum", 0.0)
+
+
+def _cpu(procs: dict[str, Proc]) -> dict[str, float]:
+    own = os.times()
+    return {"client": own.user + own.system, **{n: cpu_s(p.pid) for n, p in procs.items()}}
+
+
+def _measure(url: str, procs: dict[str, Proc], run: Any) -> Measured:
+    """``run()``, a row, with the worker's batches and each process's CPU around it.
+    The batches include the row's warm-up requests: a handful against its hundreds."""
+    count0, items0 = _batches(url)
+    cpu0 = _cpu(procs)
+    row = run()
+    cpu1 = _cpu(procs)
+    count1, items1 = _batches(url)
+    mean = (items1 - items0) / (count1 - count0) if count1 > count0 else BATCH
+    return Measured(row, row.inputs / mean, {k: cpu1[k] - cpu0[k] for k in cpu0})
+
+
+def _one_call(base: str, texts: list[str], size: Size, fmt: str | None) -> Row:
+    """Row (a) ``size.calls`` times, one after the other, as one row (a call takes about
+    a quarter of a second: one alone is noise)."""
+    load = size.load
+    calls = [
+        asyncio.run(embed_load.one_call(base, DEVICE_MODEL, texts, load.one_call, load.max_s, fmt))
+        for _ in range(size.calls)
+    ]
+    latencies = [c.latencies_ms[0] for c in calls]
+    wall = sum(c.wall_s for c in calls)
+    return Row(calls[0].label, len(calls), load.one_call * len(calls), wall, latencies)
+
+
+def measure(size: Size) -> dict[str, Measured]:
+    texts = embed_load.corpus(max(size.load.one_call, 512), "short")
+    with Stack() as stack:
+        api, url = stack.gpulane_api(["interactive", "batch"], **API)
+        worker = stack.gpulane_worker("device", wait=False)
+        stack.wait_idle(worker, 60)
+        procs = {"api": api, "redis": stack.procs[0], "worker": worker}
+        base, load = f"{url}/v1", size.load
+
+        def rows(which: str) -> Row:
+            return asyncio.run(embed_load.rows(base, DEVICE_MODEL, texts, load, which))[which]
+
+        return {
+            "a": _measure(url, procs, lambda: _one_call(base, texts, size, None)),
+            "a64": _measure(url, procs, lambda: _one_call(base, texts, size, "base64")),
+            "b": _measure(url, procs, lambda: rows("b")),
+            "c": _measure(url, procs, lambda: rows("c")),
+        }
+
+
+def run(size: str, outdir: Path) -> Report:
+    chosen = SIZES[size]
+    measured = measure(chosen)
+    report = Report("embed_ceiling", size)
+    body: list[list[Any]] = []
+    for got in measured.values():
+        s = got.row.summary()
+        body.append([s["label"], s["inputs_per_s"], s["p50_ms"], s["p99_ms"], 100 * got.busy])
+        body[-1] += [got.cpu_us(p) for p in PROCESSES]
+    columns = ["row", "inputs/s", "p50 ms", "p99 ms", "card busy %"]
+    columns += [f"{p} CPU us/input" for p in PROCESSES]
+    report.tables.append(Table("gpulane, short texts, a card of 32,000 texts/s", columns, body))
+    for got in measured.values():
+        report.targets.append(
+            info(
+                f"/v1/embeddings at GPU speed, {got.row.label}",
+                f"the stand-in card: {DEVICE_RATE:,.0f} texts/s at batches of {BATCH}",
+                f"{got.row.inputs_per_s:,.0f} inputs/s, card busy {100 * got.busy:.0f} %, "
+                f"API {got.cpu_us('api'):,.0f} us CPU per input",
+            )
+        )
+    report.notes.append(
+        f"Row (a) is {chosen.calls} call(s) one after the other (p50 and p99 over them); "
+        "the busy share counts the batches the worker ran during a row, its "
+        "warm-up requests included."
+    )
+    report.charts.append(_chart(measured, outdir))
+    report.write(outdir)
+    return report
+
+
+def _chart(measured: dict[str, Measured], outdir: Path) -> str:
+    fig, ax = figure(8.0, 3.4)
+    ticks = ["1 x 2,048 floats", "1 x 2,048 base64", "32 x 1", "8 x 256"]
+    series = {p: [m.cpu_us(p) for m in measured.values()] for p in PROCESSES}
+    grouped_bars(ax, series, ticks)
+    axes(ax, "CPU per input at GPU speed, by process", y="us per input", legend=8)
+    return save(fig, outdir, "embed_ceiling.png")
