@@ -129,3 +129,40 @@ class Monitor:
         """(client round trips, Lua-internal commands)."""
         lua = sum(1 for from_lua, _ in self.lines if from_lua)
         return len(self.lines) - lua, lua
+
+
+class ScriptTime:
+    """Redis's own time in each gpulane script while active (``with ScriptTime(client)
+    as t: ...; t.us``, microseconds by script name): every command goes to the SLOWLOG
+    (``slowlog-log-slower-than 0``), which is read and reset after, and its ``EVALSHA``
+    entries are summed (a script's own commands are logged too, inside its time: left
+    out). Logging each command costs Redis about a microsecond more; the settings it had
+    are put back."""
+
+    MAX_ENTRIES = 200_000
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.us: Counter[str] = Counter()  # script name -> microseconds
+        self._shas = script_names()
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> ScriptTime:
+        names = ("slowlog-log-slower-than", "slowlog-max-len")
+        self._saved = {n: self.client.config_get(n)[n] for n in names}
+        self.client.config_set("slowlog-max-len", self.MAX_ENTRIES)
+        self.client.slowlog_reset()
+        self.client.config_set("slowlog-log-slower-than", 0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.config_set("slowlog-log-slower-than", self._saved["slowlog-log-slower-than"])
+        entries = self.client.slowlog_get(self.MAX_ENTRIES)
+        self.client.config_set("slowlog-max-len", self._saved["slowlog-max-len"])
+        self.client.slowlog_reset()
+        for entry in entries:
+            command = entry["command"]
+            text = command.decode(errors="replace") if isinstance(command, bytes) else command
+            label = _label(text, self._shas).split(" ")
+            if label[0] == "EVALSHA" and len(label) > 1:
+                self.us[label[1]] += int(entry["duration"])

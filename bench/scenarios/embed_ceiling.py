@@ -15,9 +15,12 @@ the caller names no format), :data:`CALLS` calls in a row; (b) 32 clients of 1
 input; (c) 8 clients of 256. Per row: inputs/s, the card's busy share (batches the
 worker ran x 2 ms / the row's wall time; the batches from ``gpulane_batch_size`` on
 ``/metrics``) and each process's CPU per input, which says where a real card would
-wait. No peers: neither Infinity nor Ray Serve can be handed a model that takes no
-CPU. No verdicts: the issue's targets are against in-process ``model.encode`` on a real
-card (``make gpu-check``); this is where to look before one is at hand.
+wait; then each row again for Redis's time in each script per input (SLOWLOG,
+:class:`bench.cmdstats.ScriptTime`): what the pool's one Redis spends on a request.
+
+No peers: neither Infinity nor Ray Serve can be handed a model that takes no CPU. No
+verdicts: the issue's targets are against in-process ``model.encode`` on a real card
+(``make gpu-check``); this is where to look before one is at hand.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 import httpx
 
 from bench import embed_load
+from bench.cmdstats import ScriptTime
 from bench.embed_load import Row
 from bench.gl_tasks import DEVICE_MODEL, DEVICE_S
 from bench.harness import Proc, Stack
@@ -45,6 +49,7 @@ API = {
     "task_modules": json.dumps(["worker.tasks.builtin", "bench.gl_tasks"]),
     "openai_timeout_s": "600",
 }
+OVERLAP = os.environ.get("BENCH_OVERLAP", "always")  # scratch comparisons: never
 CALLS = 5  # row (a): this many calls, one after the other
 _COUNT = re.compile(r'^gpulane_batch_size_(count|sum)\{type="bench\.device_embed"\} (\S+)$', re.M)
 
@@ -62,6 +67,7 @@ SIZES = {
     "full": Size(embed_load.Size(2048, 16384, 256, 256, 0, 0.0, 300.0), CALLS),
 }
 PROCESSES = ("client", "api", "redis", "worker")
+SCRIPTS = ("submit", "claim", "finish", "get")  # what a request's records cost Redis
 
 
 @dataclass
@@ -69,6 +75,7 @@ class Measured:
     row: Row
     batches: float  # the worker's batches during the row
     cpu_s: dict[str, float]  # per process, during the row
+    scripts_us: dict[str, float]  # Redis's time in each script, scaled to the row
 
     @property
     def busy(self) -> float:
@@ -77,6 +84,11 @@ class Measured:
 
     def cpu_us(self, process: str) -> float:
         return 1e6 * self.cpu_s[process] / self.row.inputs
+
+    def script_us(self, name: str) -> float:
+        """Redis's time in script ``name`` per input (all scripts: ``"all"``)."""
+        us = sum(self.scripts_us.values()) if name == "all" else self.scripts_us.get(name, 0)
+        return us / self.row.inputs
 
 
 def _batches(url: str) -> tuple[float, float]:
@@ -91,16 +103,22 @@ def _cpu(procs: dict[str, Proc]) -> dict[str, float]:
     return {"client": own.user + own.system, **{n: cpu_s(p.pid) for n, p in procs.items()}}
 
 
-def _measure(url: str, procs: dict[str, Proc], run: Any) -> Measured:
-    """``run()``, a row, with the worker's batches and each process's CPU around it.
-    The batches include the row's warm-up requests: a handful against its hundreds."""
+def _measure(stack: Stack, url: str, procs: dict[str, Proc], run: Any) -> Measured:
+    """``run()``, a row, with the worker's batches and each process's CPU around it;
+    then the row again for Redis's time in each script (logging every command slows
+    Redis by a third on single inputs: not during the first). The batches and scripts
+    include the row's warm-up requests: a handful against its hundreds."""
     count0, items0 = _batches(url)
     cpu0 = _cpu(procs)
     row = run()
     cpu1 = _cpu(procs)
     count1, items1 = _batches(url)
+    with ScriptTime(stack.client()) as scripts:
+        again = run()
     mean = (items1 - items0) / (count1 - count0) if count1 > count0 else BATCH
-    return Measured(row, row.inputs / mean, {k: cpu1[k] - cpu0[k] for k in cpu0})
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    per_input = {name: us * row.inputs / again.inputs for name, us in scripts.us.items()}
+    return Measured(row, row.inputs / mean, cpu, per_input)
 
 
 def _one_call(base: str, texts: list[str], size: Size, fmt: str | None) -> Row:
@@ -120,7 +138,9 @@ def measure(size: Size) -> dict[str, Measured]:
     texts = embed_load.corpus(max(size.load.one_call, 512), "short")
     with Stack() as stack:
         api, url = stack.gpulane_api(["interactive", "batch"], **API)
-        worker = stack.gpulane_worker("device", wait=False)
+        # A worker holding a card reports a batch while it runs the next (``auto``): so
+        # does the stand-in's, on a machine with no card.
+        worker = stack.gpulane_worker("device", wait=False, report_overlap=OVERLAP)
         stack.wait_idle(worker, 60)
         procs = {"api": api, "redis": stack.procs[0], "worker": worker}
         base, load = f"{url}/v1", size.load
@@ -129,10 +149,10 @@ def measure(size: Size) -> dict[str, Measured]:
             return asyncio.run(embed_load.rows(base, DEVICE_MODEL, texts, load, which))[which]
 
         return {
-            "a": _measure(url, procs, lambda: _one_call(base, texts, size, None)),
-            "a64": _measure(url, procs, lambda: _one_call(base, texts, size, "base64")),
-            "b": _measure(url, procs, lambda: rows("b")),
-            "c": _measure(url, procs, lambda: rows("c")),
+            "a": _measure(stack, url, procs, lambda: _one_call(base, texts, size, None)),
+            "a64": _measure(stack, url, procs, lambda: _one_call(base, texts, size, "base64")),
+            "b": _measure(stack, url, procs, lambda: rows("b")),
+            "c": _measure(stack, url, procs, lambda: rows("c")),
         }
 
 
@@ -148,6 +168,14 @@ def run(size: str, outdir: Path) -> Report:
     columns = ["row", "inputs/s", "p50 ms", "p99 ms", "card busy %"]
     columns += [f"{p} CPU us/input" for p in PROCESSES]
     report.tables.append(Table("gpulane, short texts, a card of 32,000 texts/s", columns, body))
+    scripts = [
+        [m.row.label, *(m.script_us(n) for n in SCRIPTS), m.script_us("all")]
+        for m in measured.values()
+    ]
+    columns = ["row", *(f"{n}.lua" for n in SCRIPTS), "all scripts"]
+    report.tables.append(
+        Table("Redis's time in its scripts, us per input (SLOWLOG)", columns, scripts)
+    )
     for got in measured.values():
         report.targets.append(
             info(
