@@ -8,7 +8,8 @@ CUDA sync does, then a packed 384-float vector per text, as ``embed`` returns th
 Its own rate is 64 texts per 2 ms, 32,000 texts/s: about all-MiniLM-L6-v2's forward
 pass on a data-centre GPU, tokenization left out (on a card that is CPU work too).
 
-gpulane is one ``gpulane api`` process and one worker, as in ``embed_api``; the load
+gpulane is one ``gpulane api`` process and one worker, as in ``embed_api`` (then two
+API processes for (b) again, ``api_workers`` 2); the load
 is ``embed_api``'s (:mod:`bench.embed_load`): (a) one call of 2,048 inputs, as floats
 (what the peers' rows ask for) and as base64 (what the ``openai`` SDK asks for when
 the caller names no format), :data:`CALLS` calls in a row; (b) 32 clients of 1
@@ -29,7 +30,9 @@ import asyncio
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +106,7 @@ def _cpu(procs: dict[str, Proc]) -> dict[str, float]:
     return {"client": own.user + own.system, **{n: cpu_s(p.pid) for n, p in procs.items()}}
 
 
-def _measure(stack: Stack, url: str, procs: dict[str, Proc], run: Any) -> Measured:
+def _measure(stack: Stack, url: str, procs: dict[str, Proc], run: Callable[[], Row]) -> Measured:
     """``run()``, a row, with the worker's batches and each process's CPU around it;
     then the row again for Redis's time in each script (logging every command slows
     Redis by a third on single inputs: not during the first). The batches and scripts
@@ -134,26 +137,38 @@ def _one_call(base: str, texts: list[str], size: Size, fmt: str | None) -> Row:
     return Row(calls[0].label, len(calls), load.one_call * len(calls), wall, latencies)
 
 
+def _row(base: str, texts: list[str], size: Size, key: str) -> Row:
+    """Row ``key``: ``a`` (floats), ``a64`` (base64), ``b`` or ``c``."""
+    if key.startswith("a"):
+        return _one_call(base, texts, size, "base64" if key == "a64" else None)
+    return asyncio.run(embed_load.rows(base, DEVICE_MODEL, texts, size.load, key))[key]
+
+
+def _pool(stack: Stack, api_workers: int) -> tuple[str, dict[str, Proc]]:
+    """One API (``api_workers`` processes) and one stand-in worker: (API URL, procs)."""
+    api, url = stack.gpulane_api(["interactive", "batch"], api_workers=api_workers, **API)
+    # A worker holding a card reports a batch while it runs the next (``auto``): so
+    # does the stand-in's, on a machine with no card.
+    worker = stack.gpulane_worker("device", wait=False, report_overlap=OVERLAP)
+    stack.wait_idle(worker, 60)
+    return url, {"api": api, "redis": stack.procs[0], "worker": worker}
+
+
 def measure(size: Size) -> dict[str, Measured]:
+    """Rows (a) as floats and base64, (b) and (c) on one API process, then (b) again
+    on two: single inputs are bounded by the API's time per request, which more
+    processes share (``api_workers``; a GPU machine has the cores for them)."""
     texts = embed_load.corpus(max(size.load.one_call, 512), "short")
-    with Stack() as stack:
-        api, url = stack.gpulane_api(["interactive", "batch"], **API)
-        # A worker holding a card reports a batch while it runs the next (``auto``): so
-        # does the stand-in's, on a machine with no card.
-        worker = stack.gpulane_worker("device", wait=False, report_overlap=OVERLAP)
-        stack.wait_idle(worker, 60)
-        procs = {"api": api, "redis": stack.procs[0], "worker": worker}
-        base, load = f"{url}/v1", size.load
-
-        def rows(which: str) -> Row:
-            return asyncio.run(embed_load.rows(base, DEVICE_MODEL, texts, load, which))[which]
-
-        return {
-            "a": _measure(stack, url, procs, lambda: _one_call(base, texts, size, None)),
-            "a64": _measure(stack, url, procs, lambda: _one_call(base, texts, size, "base64")),
-            "b": _measure(stack, url, procs, lambda: rows("b")),
-            "c": _measure(stack, url, procs, lambda: rows("c")),
-        }
+    out: dict[str, Measured] = {}
+    for api_workers, which in ((1, ("a", "a64", "b", "c")), (2, ("b",))):
+        with Stack() as stack:
+            url, procs = _pool(stack, api_workers)
+            for key in which:
+                got = _measure(stack, url, procs, partial(_row, f"{url}/v1", texts, size, key))
+                if api_workers > 1:
+                    got.row.label += f", {api_workers} API processes"
+                out[key + ("" if api_workers == 1 else str(api_workers))] = got
+    return out
 
 
 def run(size: str, outdir: Path) -> Report:
@@ -197,7 +212,7 @@ def run(size: str, outdir: Path) -> Report:
 
 def _chart(measured: dict[str, Measured], outdir: Path) -> str:
     fig, ax = figure(8.0, 3.4)
-    ticks = ["1 x 2,048 floats", "1 x 2,048 base64", "32 x 1", "8 x 256"]
+    ticks = ["1 x 2,048 floats", "1 x 2,048 base64", "32 x 1", "8 x 256", "32 x 1, 2 APIs"]
     series = {p: [m.cpu_us(p) for m in measured.values()] for p in PROCESSES}
     grouped_bars(ax, series, ticks)
     axes(ax, "CPU per input at GPU speed, by process", y="us per input", legend=8)
