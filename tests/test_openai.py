@@ -279,3 +279,37 @@ def test_a_request_is_packed_longest_first_and_answered_in_input_order(
     assert sorted(map(len, chunks)) == [4, 8, 8]
     packed = [n for chunk in sorted(chunks, key=max, reverse=True) for n in chunk]
     assert packed == sorted(lengths, reverse=True)
+
+
+def test_records_an_answer_was_read_from_are_let_go_sooner(
+    redis_url: str,
+    known_embed: None,
+    api_factory: Callable[..., ApiServer],
+    r: redis.Redis,
+    start_worker: WorkerFactory,
+) -> None:
+    """Nobody reads a chunk's record again once its call answered 200: it is kept
+    ``openai_result_ttl_s``, not ``result_ttl_s``. A call that failed keeps its records
+    the whole ``result_ttl_s``, for whoever looks into it."""
+    settings = make_settings(
+        redis_url, tenants=[tenant("acme", KEY, admin=True)], openai_result_ttl_s=120
+    )
+    api = api_factory(settings)
+    start_worker("vectors-w", extra=["--tasks", "gl_vector_tasks"])
+    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def records() -> set[bytes]:
+        return set(r.scan_iter(keys.job("*")))
+
+    with client:
+        answered = client.embeddings.create(model=VECTORS, input=["x" * n for n in range(1, 21)])
+        assert len(answered.data) == 20
+        kept = records()
+        assert len(kept) == 3  # chunks of 8, 8 and 4
+        assert all(0 < r.ttl(k) <= 120 for k in kept)
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.embeddings.create(model=VECTORS, input=["a", NO_VECTOR])
+        assert raised.value.status_code == 502
+    failed = records() - kept
+    assert failed and all(r.ttl(k) > 120 for k in failed)
+    assert all(r.ttl(k) > settings.result_ttl_s - 60 for k in failed)

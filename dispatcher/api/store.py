@@ -246,6 +246,12 @@ class TaskStore:
         return SubmitResult(*common, "queued", sub.cls, sub.task_type, limit=as_text(reply[4]),
                             pressure="full", retry_after_s=int(reply[5]))  # fmt: skip
 
+    async def retain(self, task_ids: list[str], ttl_s: int) -> int:
+        """Keep these final records at most ``ttl_s`` more (``retain.lua``); how many
+        it shortened."""
+        ttl = min(ttl_s, self.settings.result_ttl_s)
+        return int(await self.scripts.run("retain", str(ttl), *task_ids))
+
     async def get(
         self, task_id: str, tenant: str | None, whole: bool = True
     ) -> dict[str, Any] | None:

@@ -104,6 +104,7 @@ NAMES = (
     "stream",
     "tokens",
     "split",
+    "retain",
 )
 
 
@@ -115,6 +116,7 @@ FLAGS = {
     "gpu_lease": "allow-oom",
     "ratelimit": "allow-oom",
     "tokens": "allow-oom",
+    "retain": "allow-oom",  # it only lets memory go sooner
 }
 
 

@@ -308,6 +308,12 @@ class Settings(BaseSettings):
         24 * MiB, ge=1024, description="/v1/embeddings body limit (2,048 inputs of 8,192 chars)."
     )
     openai_max_input_chars: int = Field(8192, ge=1, description="Characters per input.")
+    openai_result_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="How long /v1/embeddings' task records are kept once the route has "
+        "answered from them (at most result_ttl_s; a call that failed keeps result_ttl_s).",
+    )
 
     # Generation through backend workers (``/v1/chat/completions``, ``/v1/completions``).
     generation_class: str | None = Field(

@@ -15,6 +15,7 @@ rate-limit headers are kept.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Annotated, Any
 
 import orjson
@@ -51,6 +52,7 @@ from dispatcher.contract.strict_json import loads_strict
 
 __all__ = ["router"]
 
+log = logging.getLogger("gpulane.api")
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 MAX_INPUTS = 2048
@@ -228,6 +230,17 @@ async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
             svc.recorder.count("finished", result.cls, result.task_type, "canceled", n=result.items)
 
 
+async def _let_go(svc: Services, ids: list[str]) -> None:
+    """The answer holds every vector: the records it was read from are kept only
+    ``openai_result_ttl_s`` more, not the whole ``result_ttl_s`` (nobody reads them
+    again; a chunk of 64 vectors is ~130 KB of Redis). A call that failed keeps them for
+    whoever looks into it. Best effort: a Redis error leaves them to expire as before."""
+    try:
+        await svc.store.retain(ids, svc.settings.openai_result_ttl_s)
+    except RedisError as exc:
+        log.warning("could not shorten the retention of %d records: %s", len(ids), exc)
+
+
 def _item_error(record: dict[str, Any], index: int) -> ApiError:
     error = record.get("error") or {}
     code = str(error.get("code", "task_error"))
@@ -357,6 +370,7 @@ async def _embeddings(request: Request) -> Response:
                 "dimensions",
             )
         data.append({"object": "embedding", "index": index, "embedding": embedding})
+    await _let_go(svc, ids)
     answer = {
         "object": "list",
         "data": data,
