@@ -70,7 +70,7 @@ SIZES = {
     "full": Size(embed_load.Size(2048, 16384, 256, 256, 0, 0.0, 300.0), CALLS),
 }
 PROCESSES = ("client", "api", "redis", "worker")
-SCRIPTS = ("submit", "claim", "finish", "get")  # what a request's records cost Redis
+SCRIPTS = ("submit", "claim", "finish", "get", "retain")  # a request's records in Redis
 
 
 @dataclass
