@@ -444,17 +444,25 @@ def test_tokens_and_backend_in_metrics_stats_and_workers(
 
 
 def test_embeddings_served_by_infinity(
-    tmp_path: Path, backend_worker: Callable[..., WorkerProcess], api: ApiServer
+    tmp_path: Path,
+    backend_worker: Callable[..., WorkerProcess],
+    api: ApiServer,
+    r: redis.Redis,
 ) -> None:
     """/v1/embeddings by an embedding server behind a backend worker: the same vectors
-    as the server gives directly."""
+    as the server gives directly; the task's record, the relayed answer, is let go
+    ``openai_result_ttl_s`` after it (as the chunks of a model's own are)."""
     server = InfinityServer(tmp_path / "infinity.log").start()
     try:
         backend_worker(server.url, "b-infinity")
         texts = ["a GPU job dispatcher", "least-busy by construction"]
-        answer = sdk(api).embeddings.create(
+        raw = sdk(api).embeddings.with_raw_response.create(
             model=INFINITY_MODEL, input=texts, encoding_format="float"
         )
+        answer = raw.parse()
+        record = keys.job(raw.headers["gpulane-task-id"])
+        ttl = Settings.model_fields["openai_result_ttl_s"].default  # the fixture's
+        wait_for(lambda: 0 < r.ttl(record) <= ttl, 10, "the record let go")
         direct = httpx.post(
             server.url + "/v1/embeddings", json={"model": INFINITY_MODEL, "input": texts}
         ).json()

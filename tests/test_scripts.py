@@ -303,3 +303,21 @@ def test_each_script_carries_exactly_the_key_builders_it_calls() -> None:
         carried_by[name] = defined
     assert "job" in carried_by["finish"]
     assert "rq_worker_executions" not in carried_by["get"]  # a read carries no registry keys
+
+
+def test_retain_only_ever_lets_a_final_record_go_sooner(r: redis.Redis) -> None:
+    """retain.lua (/v1/embeddings' records once answered): a final record's TTL comes
+    down to ttl_s; a record with no TTL yet (not final), one already shorter and one that
+    is gone are left as they are."""
+    s = SyncScripts(r)
+    r.hset(keys.job("final"), "status", "finished")
+    r.expire(keys.job("final"), 86_400)
+    r.hset(keys.job("running"), "status", "started")  # no TTL until final
+    r.hset(keys.job("soon"), "status", "finished")
+    r.expire(keys.job("soon"), 30)
+    shortened = s.run("retain", "300", "final", "running", "soon", "gone")
+    assert shortened == 1
+    assert 0 < r.ttl(keys.job("final")) <= 300
+    assert r.ttl(keys.job("running")) == -1
+    assert 0 < r.ttl(keys.job("soon")) <= 30
+    assert not r.exists(keys.job("gone"))

@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +46,8 @@ from bench.gl_tasks import DEVICE_MODEL, DEVICE_S
 from bench.harness import Proc, Stack
 from bench.report import Report, Table, axes, figure, grouped_bars, info, save
 from bench.scenarios.api import cpu_s
+from dispatcher.contract import vectors
+from dispatcher.contract.settings import ReportOverlap
 
 BATCH = 64  # bench.device_embed's batch size
 DEVICE_RATE = BATCH / DEVICE_S  # texts/s the stand-in card runs at full batches
@@ -52,7 +55,8 @@ API = {
     "task_modules": json.dumps(["worker.tasks.builtin", "bench.gl_tasks"]),
     "openai_timeout_s": "600",
 }
-OVERLAP = os.environ.get("BENCH_OVERLAP", "always")  # scratch comparisons: never
+OVERLAP = ReportOverlap(os.environ.get("BENCH_OVERLAP", ReportOverlap.ALWAYS))
+SETTLE_S = 1.5  # batch counts unchanged this long: past a worker's heartbeat (1 s)
 CALLS = 5  # row (a): this many calls, one after the other
 _COUNT = re.compile(r'^gpulane_batch_size_(count|sum)\{type="bench\.device_embed"\} (\S+)$', re.M)
 
@@ -61,13 +65,15 @@ _COUNT = re.compile(r'^gpulane_batch_size_(count|sum)\{type="bench\.device_embed
 class Size:
     load: embed_load.Size
     calls: int
+    scripts: embed_load.Size  # the rerun under SLOWLOG: its entries fit ScriptTime's log
 
 
+QUICK = embed_load.Size(2048, 4096, 64, 256, 0, 0.0, 120.0)
 SIZES = {
-    "smoke": Size(embed_load.SIZES["smoke"], 1),
+    "smoke": Size(embed_load.SIZES["smoke"], 1, embed_load.SIZES["smoke"]),
     # (b) at ~1,000 req/s: 4,096 requests take a few seconds, not a fraction of one.
-    "quick": Size(embed_load.Size(2048, 4096, 64, 256, 0, 0.0, 120.0), CALLS),
-    "full": Size(embed_load.Size(2048, 16384, 256, 256, 0, 0.0, 300.0), CALLS),
+    "quick": Size(QUICK, CALLS, QUICK),
+    "full": Size(embed_load.Size(2048, 16384, 256, 256, 0, 0.0, 300.0), CALLS, QUICK),
 }
 PROCESSES = ("client", "api", "redis", "worker")
 SCRIPTS = ("submit", "claim", "finish", "get", "retain")  # a request's records in Redis
@@ -78,7 +84,7 @@ class Measured:
     row: Row
     batches: float  # the worker's batches during the row
     cpu_s: dict[str, float]  # per process, during the row
-    scripts_us: dict[str, float]  # Redis's time in each script, scaled to the row
+    scripts_us: dict[str, float]  # Redis's time in each script per input (the rerun)
 
     @property
     def busy(self) -> float:
@@ -90,8 +96,7 @@ class Measured:
 
     def script_us(self, name: str) -> float:
         """Redis's time in script ``name`` per input (all scripts: ``"all"``)."""
-        us = sum(self.scripts_us.values()) if name == "all" else self.scripts_us.get(name, 0)
-        return us / self.row.inputs
+        return sum(self.scripts_us.values()) if name == "all" else self.scripts_us.get(name, 0)
 
 
 def _batches(url: str) -> tuple[float, float]:
@@ -101,26 +106,45 @@ def _batches(url: str) -> tuple[float, float]:
     return found.get("count", 0.0), found.get("sum", 0.0)
 
 
+def _settled_batches(url: str, timeout_s: float = 30.0) -> tuple[float, float]:
+    """:func:`_batches` once they stop moving: a worker adds its batches to Redis with
+    its heartbeat (every second), so a read just after a row misses up to a second of
+    them, and the next row's window would count them as its own."""
+    last, since = _batches(url), time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() - since < SETTLE_S:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker's batch counts still moved after {timeout_s} s")
+        time.sleep(0.2)
+        now = _batches(url)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _cpu(procs: dict[str, Proc]) -> dict[str, float]:
     own = os.times()
     return {"client": own.user + own.system, **{n: cpu_s(p.pid) for n, p in procs.items()}}
 
 
-def _measure(stack: Stack, url: str, procs: dict[str, Proc], run: Callable[[], Row]) -> Measured:
+def _measure(
+    stack: Stack, url: str, procs: dict[str, Proc], run: Callable[[], Row], again: Callable[[], Row]
+) -> Measured:
     """``run()``, a row, with the worker's batches and each process's CPU around it;
-    then the row again for Redis's time in each script (logging every command slows
-    Redis by a third on single inputs: not during the first). The batches and scripts
-    include the row's warm-up requests: a handful against its hundreds."""
-    count0, items0 = _batches(url)
+    then ``again()``, the row at most at the quick size, for Redis's time in each script
+    (logging every command slows Redis by about a third on single inputs: not during the
+    first). The batches' mean size and the scripts' time per input include the row's
+    warm-up requests: a handful against its hundreds."""
+    count0, items0 = _settled_batches(url)
     cpu0 = _cpu(procs)
     row = run()
     cpu1 = _cpu(procs)
-    count1, items1 = _batches(url)
+    count1, items1 = _settled_batches(url)
     with ScriptTime(stack.client()) as scripts:
-        again = run()
+        repeat = again()
     mean = (items1 - items0) / (count1 - count0) if count1 > count0 else BATCH
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
-    per_input = {name: us * row.inputs / again.inputs for name, us in scripts.us.items()}
+    per_input = {name: us / repeat.inputs for name, us in scripts.us.items()}
     return Measured(row, row.inputs / mean, cpu, per_input)
 
 
@@ -137,11 +161,11 @@ def _one_call(base: str, texts: list[str], size: Size, fmt: str | None) -> Row:
     return Row(calls[0].label, len(calls), load.one_call * len(calls), wall, latencies)
 
 
-def _row(base: str, texts: list[str], size: Size, key: str) -> Row:
-    """Row ``key``: ``a`` (floats), ``a64`` (base64), ``b`` or ``c``."""
+def _row(base: str, texts: list[str], size: Size, key: str, load: embed_load.Size) -> Row:
+    """Row ``key`` at ``load``: ``a`` (floats), ``a64`` (base64), ``b`` or ``c``."""
     if key.startswith("a"):
-        return _one_call(base, texts, size, "base64" if key == "a64" else None)
-    return asyncio.run(embed_load.rows(base, DEVICE_MODEL, texts, size.load, key))[key]
+        return _one_call(base, texts, size, vectors.BASE64 if key == "a64" else None)
+    return asyncio.run(embed_load.rows(base, DEVICE_MODEL, texts, load, key))[key]
 
 
 def _pool(stack: Stack, api_workers: int) -> tuple[str, dict[str, Proc]]:
@@ -164,7 +188,10 @@ def measure(size: Size) -> dict[str, Measured]:
         with Stack() as stack:
             url, procs = _pool(stack, api_workers)
             for key in which:
-                got = _measure(stack, url, procs, partial(_row, f"{url}/v1", texts, size, key))
+                run = partial(_row, f"{url}/v1", texts, size, key)
+                got = _measure(
+                    stack, url, procs, partial(run, size.load), partial(run, size.scripts)
+                )
                 if api_workers > 1:
                     got.row.label += f", {api_workers} API processes"
                 out[key + ("" if api_workers == 1 else str(api_workers))] = got

@@ -247,10 +247,9 @@ class TaskStore:
                             pressure="full", retry_after_s=int(reply[5]))  # fmt: skip
 
     async def retain(self, task_ids: list[str], ttl_s: int) -> int:
-        """Keep these final records at most ``ttl_s`` more (``retain.lua``); how many
-        it shortened."""
-        ttl = min(ttl_s, self.settings.result_ttl_s)
-        return int(await self.scripts.run("retain", str(ttl), *task_ids))
+        """Keep these final records at most ``ttl_s`` more (``retain.lua``, which never
+        lengthens a TTL: ``result_ttl_s`` stays the most); how many it shortened."""
+        return int(await self.scripts.run("retain", str(ttl_s), *task_ids))
 
     async def get(
         self, task_id: str, tenant: str | None, whole: bool = True

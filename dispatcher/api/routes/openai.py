@@ -31,6 +31,7 @@ from pydantic import (
     field_validator,
 )
 from redis.exceptions import RedisError
+from starlette.background import BackgroundTask
 
 from dispatcher.api import generation
 from dispatcher.api.admit import admit
@@ -231,10 +232,11 @@ async def _cancel(svc: Services, ids: list[str], principal: Principal) -> None:
 
 
 async def _let_go(svc: Services, ids: list[str]) -> None:
-    """The answer holds every vector: the records it was read from are kept only
-    ``openai_result_ttl_s`` more, not the whole ``result_ttl_s`` (nobody reads them
-    again; a chunk of 64 vectors is ~130 KB of Redis). A call that failed keeps them for
-    whoever looks into it. Best effort: a Redis error leaves them to expire as before."""
+    """Once a 200 went out, the records it was read from (every vector is in it) are
+    kept only ``openai_result_ttl_s`` more, not the whole ``result_ttl_s``: nobody reads
+    them again, and a chunk of 64 vectors is ~130 KB of Redis. A call that failed keeps
+    them for whoever looks into it. Best effort: a Redis error leaves them to expire as
+    before."""
     try:
         await svc.store.retain(ids, svc.settings.openai_result_ttl_s)
     except RedisError as exc:
@@ -329,7 +331,12 @@ async def _embeddings(request: Request) -> Response:
         )
         relayed = await generation.whole(svc, request.receive, gen, principal.task_scope)
         headers = {**extra_headers(request), "Gpulane-Task-Id": gen.task_id}
-        return Response(relayed, media_type="application/json", headers=headers)
+        return Response(
+            relayed,
+            media_type="application/json",
+            headers=headers,
+            background=BackgroundTask(_let_go, svc, [gen.task_id]),
+        )
     texts = req.input if isinstance(req.input, list) else [req.input]
     dimensions, fmt = req.dimensions, req.encoding_format
     sub, packed, order = await _pack(svc, principal, models[model], texts)
@@ -370,7 +377,6 @@ async def _embeddings(request: Request) -> Response:
                 "dimensions",
             )
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-    await _let_go(svc, ids)
     answer = {
         "object": "list",
         "data": data,
@@ -379,5 +385,8 @@ async def _embeddings(request: Request) -> Response:
     }
     # orjson: 2,048 vectors of floats are megabytes the json module writes slowly.
     return Response(
-        orjson.dumps(answer), media_type="application/json", headers=extra_headers(request)
+        orjson.dumps(answer),
+        media_type="application/json",
+        headers=extra_headers(request),
+        background=BackgroundTask(_let_go, svc, ids),  # after the answer went: off its path
     )
