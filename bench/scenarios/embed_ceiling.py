@@ -47,7 +47,7 @@ from bench.harness import Proc, Stack
 from bench.report import Report, Table, axes, figure, grouped_bars, info, save
 from bench.scenarios.api import cpu_s
 from dispatcher.contract import vectors
-from dispatcher.contract.settings import ReportOverlap
+from dispatcher.contract.settings import ReportOverlap, Settings
 
 BATCH = 64  # bench.device_embed's batch size
 DEVICE_RATE = BATCH / DEVICE_S  # texts/s the stand-in card runs at full batches
@@ -56,7 +56,8 @@ API = {
     "openai_timeout_s": "600",
 }
 OVERLAP = ReportOverlap(os.environ.get("BENCH_OVERLAP", ReportOverlap.ALWAYS))
-SETTLE_S = 1.5  # batch counts unchanged this long: past a worker's heartbeat (1 s)
+# Batch counts unchanged this long: two of a worker's heartbeats, which flush them.
+SETTLE_S = 2 * Settings.model_fields["heartbeat_interval_s"].default
 CALLS = 5  # row (a): this many calls, one after the other
 _COUNT = re.compile(r'^gpulane_batch_size_(count|sum)\{type="bench\.device_embed"\} (\S+)$', re.M)
 
@@ -68,8 +69,8 @@ class Size:
     scripts: embed_load.Size  # the rerun under SLOWLOG (its entries must fit the log)
 
 
-# Under SLOWLOG a single-input request logs ~50 entries (its scripts' own commands
-# too): 1,024 of them stay well inside ScriptTime's 200,000.
+# Under SLOWLOG a single-input request logs ~24 entries (its scripts' own commands
+# too): 1,024 of them keep the rerun short and far inside ScriptTime's 200,000.
 SCRIPTS = embed_load.Size(2048, 1024, 16, 256, 0, 0.0, 120.0)
 SIZES = {
     "smoke": Size(embed_load.SIZES["smoke"], 1, embed_load.SIZES["smoke"]),
@@ -136,14 +137,16 @@ def _measure(
     then ``again()``, the row at the :data:`SCRIPTS` load, for Redis's time in each script
     (logging every command slows Redis by about a third on single inputs: not during the
     first). The batches' mean size and the scripts' time per input include the row's
-    warm-up requests: a handful against its hundreds."""
-    count0, items0 = _settled_batches(url)
+    warm-up requests: a handful against its hundreds. It ends with the counts settled,
+    where the next row starts (a fresh worker's are at rest too)."""
+    count0, items0 = _batches(url)
     cpu0 = _cpu(procs)
     row = run()
     cpu1 = _cpu(procs)
     count1, items1 = _settled_batches(url)
     with ScriptTime(stack.client()) as scripts:
         repeat = again()
+        _settled_batches(url)  # and the answers' background retain calls with them
     mean = (items1 - items0) / (count1 - count0) if count1 > count0 else BATCH
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
     per_input = {name: us / repeat.inputs for name, us in scripts.us.items()}
