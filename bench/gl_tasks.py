@@ -107,16 +107,20 @@ def long(args: SleepArgs, ctx: TaskContext) -> dict[str, Any]:
 
 
 class TextArgs(BaseModel):
+    """``embed``'s arguments (``worker.tasks.embed.EmbedArgs``), not imported: that
+    module registers ``embed`` in every worker that imports it."""
+
     model_config = ConfigDict(extra="forbid")
 
     text: str = Field(min_length=1, max_length=8192, description="Ignored but for its length.")
 
 
 DEVICE_MODEL = "bench/device-stand-in"
+DEVICE_TYPE = "bench.device_embed"
 
 
 @task(
-    "bench.device_embed",
+    DEVICE_TYPE,
     model=DEVICE_MODEL,
     batch=Batch(max_size=64, max_wait_ms=5),
     description="An embedding model at GPU speed with no GPU: bench.batch_device's wait.",

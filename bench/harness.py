@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from dispatcher.contract import keys
 from dispatcher.contract.settings import ClassConfig
@@ -280,3 +281,26 @@ def rss_mb(pid: int) -> dict[str, float]:
         if key in ("VmRSS", "RssAnon", "RssFile"):
             out[key] = int(value.split()[0]) * 1024 / 1e6
     return out
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process and its children (uvicorn workers) used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = children.read_text().split() if children.exists() else []
+    return own + sum(cpu_s(int(kid)) for kid in kids if Path(f"/proc/{kid}").exists())
+
+
+def batch_counts(metrics: str, task_type: str) -> tuple[float, float]:
+    """The workers' batches of ``task_type`` so far and the items in them, from the
+    text of the API's ``/metrics`` (``gpulane_batch_size``'s count and sum; a worker
+    adds its own there with each heartbeat)."""
+    values = {
+        sample.name.removeprefix("gpulane_batch_size_"): sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "gpulane_batch_size"
+        for sample in family.samples
+        if sample.labels.get("type") == task_type
+    }
+    return values.get("count", 0.0), values.get("sum", 0.0)

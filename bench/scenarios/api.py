@@ -17,7 +17,6 @@ the Redis call.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import httpx
 import uvloop
 
 from bench import asgi_costs, loadgen
-from bench.harness import Proc, Stack, classes_json, rss_mb
+from bench.harness import Proc, Stack, classes_json, cpu_s, rss_mb
 from bench.report import Report, Table, axes, cdf, figure, info, judged, p50_p99, save
 from testkit import free_port, publish_catalog, wait_for
 
@@ -59,15 +58,6 @@ SIZES = {
     "quick": Size(seconds=3.0, warmup_s=0.5, asgi_requests=1000),
     "full": Size(seconds=20.0, warmup_s=2.0, asgi_requests=10_000),
 }
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process and its children (uvicorn workers) used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    kids = children.read_text().split() if children.exists() else []
-    return own + sum(cpu_s(int(kid)) for kid in kids if Path(f"/proc/{kid}").exists())
 
 
 def load(server: Proc, url: str, clients: int, size: Size, procs: int = 1) -> dict[str, Any]:

@@ -31,11 +31,10 @@ from typing import Any
 
 import httpx
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench import cmdstats
 from bench.gl_tasks import DEVICE_S
-from bench.harness import Stack
+from bench.harness import Stack, batch_counts
 from bench.report import Report, Table, Target, axes, figure, judged, save
 from dispatcher.contract import keys
 from testkit import wait_for
@@ -181,16 +180,8 @@ def _batches(http: httpx.Client, task_type: str, n: int) -> int | None:
     """The batches (claims run) that ran the drain's ``n`` items, once the worker's
     metrics (flushed each heartbeat) count them all: ``gpulane_batch_size``'s count, its
     sum at least ``n`` (more if a batch ran twice)."""
-    values = {
-        sample.name.removeprefix("gpulane_batch_size_"): sample.value
-        for family in text_string_to_metric_families(http.get("/metrics").text)
-        if family.name == "gpulane_batch_size"
-        for sample in family.samples
-        if sample.labels.get("type") == task_type
-    }
-    if values.get("sum", 0) < n:
-        return None
-    return int(values["count"])
+    count, items = batch_counts(http.get("/metrics").text, task_type)
+    return int(count) if items >= n else None
 
 
 def _span_ready(client: redis.Redis, chunks: list[str]) -> list[bool]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,10 +41,9 @@ import httpx
 from bench import embed_load
 from bench.cmdstats import ScriptTime
 from bench.embed_load import Row
-from bench.gl_tasks import DEVICE_MODEL, DEVICE_S
-from bench.harness import Proc, Stack
+from bench.gl_tasks import DEVICE_MODEL, DEVICE_S, DEVICE_TYPE
+from bench.harness import Proc, Stack, batch_counts, cpu_s
 from bench.report import Report, Table, axes, figure, grouped_bars, info, save
-from bench.scenarios.api import cpu_s
 from dispatcher.contract import vectors
 from dispatcher.contract.settings import ReportOverlap, Settings
 
@@ -59,7 +57,6 @@ OVERLAP = ReportOverlap(os.environ.get("BENCH_OVERLAP", ReportOverlap.ALWAYS))
 # Batch counts unchanged this long: two of a worker's heartbeats, which flush them.
 SETTLE_S = 2 * Settings.model_fields["heartbeat_interval_s"].default
 CALLS = 5  # row (a): this many calls, one after the other
-_COUNT = re.compile(r'^gpulane_batch_size_(count|sum)\{type="bench\.device_embed"\} (\S+)$', re.M)
 
 
 @dataclass(frozen=True)
@@ -103,10 +100,8 @@ class Measured:
 
 
 def _batches(url: str) -> tuple[float, float]:
-    """The worker's (batches, items) so far, from the API's ``/metrics``."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = {kind: float(value) for kind, value in _COUNT.findall(text)}
-    return found.get("count", 0.0), found.get("sum", 0.0)
+    """The stand-in's (batches, items) so far, from the API's ``/metrics``."""
+    return batch_counts(httpx.get(f"{url}/metrics", timeout=10).text, DEVICE_TYPE)
 
 
 def _settled_batches(url: str, timeout_s: float = 30.0) -> tuple[float, float]:
